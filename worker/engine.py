@@ -1,0 +1,137 @@
+"""The training engine: torch.distributed process group, FSDP2 or DDP, AdamW, schedule, clipping,
+and sharded state through torch.distributed.checkpoint.
+
+Both the legacy trainers and the TrainingWorker drive this one engine, so the parity claim is
+about the code above it: the loops, the loss normalization and the metric code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from worker.data.batching import MicroBatch
+from worker.distributed import Dist
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+    total_steps: int = 20
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the base lr: linear warmup, then cosine down to min_ratio."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+class Engine:
+    """One model on one process group, sharded (FSDP2) or replicated (DDP)."""
+
+    def __init__(self, model: torch.nn.Module, kind: str, optim: OptimConfig, d: Dist):
+        self.dist, self.kind, self.optim_config = d, kind, optim
+        model = model.to(d.device)
+        if kind == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(d.device.type, (d.world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            self.module = model
+        elif kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [d.device.index] if d.device.type == "cuda" else None
+            self.module = DistributedDataParallel(model, device_ids=ids)
+        else:
+            raise ValueError(f"unknown engine {kind!r}; expected 'fsdp2' or 'ddp'")
+        self.model = model  # the unwrapped module (FSDP2 shards in place)
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            eps=1e-8,
+        )
+        warmup = int(optim.warmup_ratio * optim.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: warmup_cosine(s, warmup, optim.total_steps, optim.min_lr_ratio),
+        )
+        self.num_params = sum(p.numel() for p in model.parameters())
+        if kind == "fsdp2":  # parameters are shards; count the full tensors
+            self.num_params = sum(p.full_tensor().numel() for p in model.parameters())
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """Logits of one micro-batch."""
+        return self.module(**mb.model_inputs(self.dist.device)).logits
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Global pre-clip gradient norm over all shards and ranks; clips in place."""
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.optim_config.clip_grad)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm
+
+    def step(self, grad_norm: torch.Tensor) -> bool:
+        """Optimizer step unless the norm is not finite (then the gradients are dropped).
+
+        The scheduler steps either way, as verl's trainers do. Returns whether the step applied.
+        """
+        applied = bool(torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+        self.zero_grad()
+        self.scheduler.step()
+        return applied
+
+    def current_lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # --- sharded state -------------------------------------------------------------------------
+    def save(self, path: Path, extra: dict) -> None:
+        """Model and optimizer as a DCP checkpoint, plus per-rank extras (scheduler, RNG, data)."""
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        state = {"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), **extra}
+        torch.save(state, path / f"extra_rank{self.dist.rank}.pt")
+
+    def load(self, path: Path) -> dict:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        extra = torch.load(path / f"extra_rank{self.dist.rank}.pt", weights_only=True)
+        self.scheduler.load_state_dict(extra.pop("scheduler"))
+        torch.set_rng_state(extra.pop("rng"))
+        return extra
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights (every rank takes part; use on rank 0 to save)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.module, options=opts)

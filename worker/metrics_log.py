@@ -1,0 +1,120 @@
+"""What a job writes on rank 0: exact JSONL metrics, verl-style console lines, and a manifest.
+
+Floats go through Python's json (shortest repr, round-trips bit for bit; NaN/Infinity spelled as
+Python writes them). The last JSONL line is `{"event": "end", "steps": N}` only when the run
+finished, so a run killed halfway is readable and visibly incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write to a temp file in the same folder, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    """verl's console format: `step:N - key:value - ...` with full repr precision."""
+    return " - ".join([f"step:{step}"] + [f"{k}:{v!r}" for k, v in metrics.items()])
+
+
+class MetricsLog:
+    """Rank 0 appends one record per step; other ranks hold a no-op log."""
+
+    def __init__(self, out_dir: Path, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self._jsonl: TextIO | None = None
+        self._console: TextIO | None = None
+        if enabled:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            mode = "a" if append else "w"
+            self._jsonl = open(out_dir / "metrics.jsonl", mode, encoding="utf-8")
+            self._console = open(out_dir / "console.log", mode, encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float], meta: dict | None = None) -> None:
+        if not self.enabled:
+            return
+        record: dict[str, Any] = {"step": step, **metrics}
+        if meta:
+            record["_meta"] = meta
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        line = console_line(step, metrics)
+        self._console.write(line + "\n")
+        self._console.flush()
+        print(line, flush=True)
+
+    def finish(self, steps: int) -> None:
+        if self.enabled:
+            self._jsonl.write(json.dumps({"event": "end", "steps": steps}) + "\n")
+            self.close()
+
+    def close(self) -> None:
+        for f in (self._jsonl, self._console):
+            if f is not None and not f.closed:
+                f.close()
+
+
+def git_revision(path: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
+    return out.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts that decide whether two runs can be bitwise equal."""
+    import torch
+    import transformers
+
+    cpu_flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    cpu_flags = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    isa = [
+        f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon") if f in cpu_flags
+    ]
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_isa": isa,
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "argv": sys.argv,
+    }

@@ -1,0 +1,235 @@
+"""What both SFT trainers share: the job config, data loading, the data order, the manifest.
+
+None of this is what the TrainingWorker refactor changed; the parity claim is about the loops
+and metric code in legacy_sft.py and sft.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from torch.utils.data import DistributedSampler
+
+from worker.data.batching import BatchingConfig
+from worker.data.charcount import (
+    DATA_DIR,
+    TOKENIZER_DIR,
+    Encoded,
+    encode,
+    load_tokenizer,
+    read_jsonl,
+)
+from worker.determinism import set_determinism
+from worker.distributed import Dist, init_distributed
+from worker.engine import Engine, OptimConfig
+from worker.metrics_log import MetricsLog, environment, git_revision, write_json_atomic
+from worker.model import TINY_MODEL_DIR, file_sha256, load_model, weights_sha256
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class SFTConfig:
+    out: Path
+    trainer: str = "worker"
+    engine: str = "fsdp2"
+    steps: int = 20
+    seed: int = 0
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    dynamic_bsz: bool = False
+    max_tokens_per_rank: int = 2048
+    packed: bool = True
+    max_length: int = 512
+    lr: float = 1e-3
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    val_loss: str = "fixed"  # "fixed" (token-weighted, whole set) or "legacy" (the old formula)
+    val_every: int = 0  # 0: only after the last step
+    val_before_train: bool = False
+    val_samples: int = 0  # 0: the whole val set
+    model: Path = TINY_MODEL_DIR
+    tokenizer: Path = TOKENIZER_DIR
+    data: Path = DATA_DIR
+    attn: str = "sdpa"
+    save_state_at: list[int] = field(default_factory=list)
+    resume: Path | None = None
+    save_final: bool = False
+
+    def batching(self) -> BatchingConfig:
+        return BatchingConfig(
+            micro_batch_size=self.micro_batch_size,
+            dynamic_bsz=self.dynamic_bsz,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            packed=self.packed,
+            horizon=float(self.max_length),
+        )
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(
+            lr=self.lr,
+            warmup_ratio=self.warmup_ratio,
+            min_lr_ratio=self.min_lr_ratio,
+            clip_grad=self.clip_grad,
+            total_steps=self.steps,
+        )
+
+
+def parse_config(argv: list[str] | None = None) -> SFTConfig:
+    p = argparse.ArgumentParser(prog="python -m worker.sft", description="charcount SFT job")
+    p.add_argument("--out", type=Path, required=True, help="run folder for metrics and manifest")
+    p.add_argument("--trainer", choices=["legacy", "worker"], default="worker")
+    p.add_argument("--engine", choices=["fsdp2", "ddp"], default="fsdp2")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--dynamic-bsz", action="store_true")
+    p.add_argument("--max-tokens-per-rank", type=int, default=2048)
+    p.add_argument("--padded", action="store_true", help="padded batches instead of packed")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-ratio", type=float, default=0.1)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--loss-agg-mode", default="token-mean")
+    p.add_argument("--val-loss", choices=["fixed", "legacy"], default="fixed")
+    p.add_argument("--val-every", type=int, default=0)
+    p.add_argument("--val-before-train", action="store_true")
+    p.add_argument("--val-samples", type=int, default=0)
+    p.add_argument("--model", type=Path, default=TINY_MODEL_DIR, help="any local HF model folder")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="default: the model folder's, else the fixture"
+    )
+    p.add_argument("--data", type=Path, default=DATA_DIR)
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--save-state-at", type=int, action="append", default=[])
+    p.add_argument("--resume", type=Path, default=None)
+    p.add_argument("--save-final", action="store_true", help="write final.safetensors (rank 0)")
+    a = p.parse_args(argv)
+    tokenizer = a.tokenizer
+    if tokenizer is None:
+        tokenizer = a.model if (a.model / "tokenizer.json").exists() else TOKENIZER_DIR
+    cfg = SFTConfig(
+        out=a.out, trainer=a.trainer, engine=a.engine, steps=a.steps, seed=a.seed,
+        global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
+        dynamic_bsz=a.dynamic_bsz, max_tokens_per_rank=a.max_tokens_per_rank, packed=not a.padded,
+        max_length=a.max_length, lr=a.lr, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
+        clip_grad=a.clip_grad, loss_agg_mode=a.loss_agg_mode, val_loss=a.val_loss,
+        val_every=a.val_every, val_before_train=a.val_before_train, val_samples=a.val_samples,
+        model=a.model, tokenizer=tokenizer, data=a.data, attn=a.attn,
+        save_state_at=a.save_state_at, resume=a.resume, save_final=a.save_final,
+    )  # fmt: skip
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: SFTConfig) -> None:
+    """Impossible settings fail before any rank starts training, in one line."""
+    if cfg.steps < 1:
+        raise SystemExit(f"error: --steps must be >= 1, got {cfg.steps}")
+    if not (cfg.model / "config.json").exists():
+        raise SystemExit(f"error: {cfg.model}: not a model folder (no config.json)")
+    for split in ("train", "val"):
+        if not (cfg.data / f"{split}.jsonl").exists():
+            raise SystemExit(f"error: {cfg.data / f'{split}.jsonl'}: no such data file")
+
+
+@dataclass
+class SFTJob:
+    """Everything a trainer needs, built in the one right order: determinism before the model."""
+
+    cfg: SFTConfig
+    dist: Dist
+    engine: Engine
+    train: list[Encoded]
+    val: list[Encoded]
+    log: MetricsLog
+
+    @classmethod
+    def build(cls, cfg: SFTConfig) -> SFTJob:
+        d = init_distributed()
+        if cfg.global_batch_size % d.world:
+            raise SystemExit(
+                f"error: global batch {cfg.global_batch_size} is not divisible by world size {d.world}"
+            )
+        if cfg.global_batch_size < d.world:
+            raise SystemExit(f"error: world size {d.world} is larger than the global batch")
+        determinism = set_determinism(cfg.seed)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        train = [encode(s, tokenizer, cfg.max_length) for s in read_jsonl(cfg.data / "train.jsonl")]
+        val = [encode(s, tokenizer, cfg.max_length) for s in read_jsonl(cfg.data / "val.jsonl")]
+        if cfg.val_samples:
+            val = val[: cfg.val_samples]
+        if len(train) < cfg.global_batch_size:
+            raise SystemExit(
+                f"error: {cfg.data / 'train.jsonl'}: {len(train)} samples, fewer than one global "
+                f"batch of {cfg.global_batch_size}"
+            )
+        if len(val) < d.world:
+            raise SystemExit(
+                f"error: {cfg.data / 'val.jsonl'}: {len(val)} val samples for {d.world} ranks"
+            )
+        model = load_model(cfg.model, attn=cfg.attn)
+        engine = Engine(model, cfg.engine, cfg.optim(), d)
+        log = MetricsLog(cfg.out, enabled=d.rank == 0, append=cfg.resume is not None)
+        job = cls(cfg, d, engine, train, val, log)
+        if d.rank == 0:
+            job.write_manifest(determinism)
+        return job
+
+    def write_manifest(self, determinism: dict) -> None:
+        cfg, d = self.cfg, self.dist
+        manifest = {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+            "environment": environment(),
+            "device": str(d.device),
+            "backend": d.backend,
+            "world_size": d.world,
+            "determinism": determinism,
+            "data_sha256": {s: file_sha256(cfg.data / f"{s}.jsonl") for s in ("train", "val")},
+            "initial_weights_sha256": weights_sha256(cfg.model),
+            "num_params": self.engine.num_params,
+            "git_revision": git_revision(REPO_ROOT),
+        }
+        write_json_atomic(self.cfg.out / "manifest.json", manifest)
+
+    def steps_per_epoch(self) -> int:
+        return len(self.train) // self.cfg.global_batch_size
+
+    def rank_batches(self, start_step: int = 1):
+        """(step, epoch, this rank's share) for steps start_step..steps.
+
+        torch's DistributedSampler with set_epoch: the global batch of a step is the same set of
+        samples for every world size, interleaved over the ranks.
+        """
+        d, cfg = self.dist, self.cfg
+        per_rank = cfg.global_batch_size // d.world
+        sampler = DistributedSampler(
+            range(len(self.train)), num_replicas=d.world, rank=d.rank, shuffle=True,
+            seed=cfg.seed, drop_last=True,
+        )  # fmt: skip
+        per_epoch = self.steps_per_epoch()
+        for step in range(start_step, cfg.steps + 1):
+            epoch, index = divmod(step - 1, per_epoch)
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            chosen = order[index * per_rank : (index + 1) * per_rank]
+            yield step, epoch, [self.train[i] for i in chosen]
+
+    def is_val_step(self, step: int) -> bool:
+        every = self.cfg.val_every
+        return step == self.cfg.steps or (every > 0 and step % every == 0)
+
+    def save_final(self) -> None:
+        from safetensors.torch import save_file
+
+        state = self.engine.full_state_dict()
+        if self.dist.rank == 0:
+            tmp = self.cfg.out / ".final.safetensors.tmp"
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+            tmp.replace(self.cfg.out / "final.safetensors")
