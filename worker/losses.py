@@ -36,7 +36,7 @@ def agg_loss(
 ) -> torch.Tensor:
     """Aggregate per-token values of one micro-batch into its share of the global loss.
 
-    values, mask, seq_ids: flat [T] tensors; seq_ids numbers the micro-batch's sequences 0..num_seqs-1.
+    values, mask, seq_ids: flat [T] tensors; seq_ids numbers the sequences 0..num_seqs-1.
     - token-mean:              sum(v*m) / N_tokens * dp
     - seq-mean-token-sum:      sum_s(sum_t v*m) / N_seqs * dp
     - seq-mean-token-mean:     sum_s(mean_t v over the sequence's loss tokens) / N_seqs * dp

@@ -91,7 +91,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Encoded:
     """One tokenized sample: ids and the mask of tokens the loss is taken on (the response)."""
 

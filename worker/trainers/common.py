@@ -155,7 +155,8 @@ class SFTJob:
         d = init_distributed()
         if cfg.global_batch_size % d.world:
             raise SystemExit(
-                f"error: global batch {cfg.global_batch_size} is not divisible by world size {d.world}"
+                f"error: global batch {cfg.global_batch_size} is not divisible "
+                f"by world size {d.world}"
             )
         if cfg.global_batch_size < d.world:
             raise SystemExit(f"error: world size {d.world} is larger than the global batch")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The README's test command: make a venv from the project's own files, then run every test
+# (fast unit tests and the multi-rank `parity` ones). Usage: bash ci/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${PARITY_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"$VENV/bin/python" -m ruff check worker parity tests benchmarks
+exec "$VENV/bin/python" -m pytest "$@"

@@ -1,0 +1,378 @@
+"""Run a job under torchrun as a subprocess, never leave processes behind, and say which rank died.
+
+torchrun (torch 2.13) starts every worker with ``start_new_session=True``, so workers are *not* in
+torchrun's process group. Killing the group alone would orphan them when torchrun itself is
+SIGKILLed; every process of a launch therefore also carries ``PARITY_LAUNCH_ID`` in its
+environment, and cleanup kills whatever still carries it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
+
+# torchrun arguments that configure a (multi-node) rendezvous: with these, no --standalone.
+_RDZV_FLAGS = (
+    "--standalone",
+    "--nnodes",
+    "--node-rank",
+    "--node_rank",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "--master-port",
+    "--master_port",
+    "--master-addr",
+    "--master_addr",
+)
+
+# Log lines of a rank that died only because a peer died first (gloo / nccl / torchrun teardown).
+_SECONDARY_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+)
+
+# One entry of torchrun's ChildFailedError summary:
+#   rank      : 1 (local_rank: 1)
+#   exitcode  : -9 (pid: 3794)  (SIGKILL)
+_FAILURE_RE = re.compile(
+    r"rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)\s*\n"
+    r"\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)"
+)
+# torchrun's agent log line, used when no summary was printed:
+#   failed (exitcode: 1) local_rank: 1 (pid: 3570) of binary: ...
+_AGENT_FAIL_RE = re.compile(
+    r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\)"
+)
+_ROOT_MARK = "Root Cause (first observed failure):"
+
+
+@dataclass
+class RankFailure:
+    """One rank that exited non-zero; ``signal`` is set when it was killed by a signal."""
+
+    rank: int
+    exitcode: int | None
+    signal: str | None
+    log_tail: str
+    local_rank: int | None = None
+
+    def headline(self) -> str:
+        how = f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
+        return f"rank {self.rank}: {how}"
+
+
+@dataclass
+class LaunchResult:
+    """What happened to one torchrun launch; ``describe()`` is the human-readable report."""
+
+    returncode: int | None
+    timed_out: bool
+    duration_s: float
+    run_dir: Path
+    timeout_s: float = 0.0
+    launcher_log: Path | None = None
+    launch_id: str = ""
+    #: local rank -> that rank's stderr.log (stdout.log lies next to it). Equal to the global rank
+    #: for single-node jobs.
+    rank_logs: dict[int, Path] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def tail(self, rank: int, n_lines: int = 30) -> str:
+        """Last lines of a rank's stdout and stderr (by local rank), or '' if it has no logs."""
+        err = self.rank_logs.get(rank)
+        if err is None:
+            return ""
+        parts = []
+        for path in (err.with_name("stdout.log"), err):
+            text = _tail_file(path, n_lines)
+            if text:
+                parts.append(f"[{path.name}]\n{text}")
+        return "\n".join(parts)
+
+    def describe(self, n_lines: int = 30) -> str:
+        """A multi-line report: outcome, failing ranks with exit code or signal, and log tails."""
+        where = f"run dir {self.run_dir}"
+        if self.ok:
+            return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
+        lines: list[str] = []
+        if self.timed_out:
+            lines.append(
+                f"torchrun job timed out after {self.timeout_s:g} s and was killed ({where})"
+            )
+            for rank in sorted(self.rank_logs):
+                lines += [f"--- rank {rank} ---", _indent(self.tail(rank, n_lines) or "<empty>")]
+            return "\n".join(lines)
+        lines.append(
+            f"torchrun job failed with exit code {self.returncode} after "
+            f"{self.duration_s:.1f} s ({where})"
+        )
+        for i, failure in enumerate(self.failures):
+            note = " (first failure)" if i == 0 else " (probably a consequence of the first)"
+            lines.append(failure.headline() + note)
+            tail = failure.log_tail if i == 0 else _last_lines(failure.log_tail, 5)
+            lines.append(_indent(tail or "<no log>"))
+        if not self.failures and self.launcher_log is not None:
+            lines += ["no rank failure found; launcher log tail:"]
+            lines.append(_indent(_tail_file(self.launcher_log, n_lines) or "<empty>"))
+        return "\n".join(lines)
+
+
+class LaunchError(RuntimeError):
+    """A launch that did not succeed; ``result`` holds the details."""
+
+    def __init__(self, result: LaunchResult):
+        super().__init__(result.describe())
+        self.result = result
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (for explicit rendezvous endpoints)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    module_or_script_args: list[str],
+    *,
+    nproc: int,
+    run_dir: Path,
+    timeout_s: float = 600,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+    cwd: Path | str | None = None,
+    kill_grace_s: float = 5.0,
+) -> LaunchResult:
+    """Run ``torchrun ... <module_or_script_args>`` and wait; on timeout or error kill it all."""
+    run_dir = Path(run_dir).absolute()  # torchrun may run in another cwd
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    before = {p.name for p in log_dir.iterdir()}
+    rdzv = [] if _has_rdzv_args(torchrun_args) else ["--standalone"]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", *rdzv,
+        "--nproc-per-node", str(nproc), "--log-dir", str(log_dir), "--redirects", "3",
+        *torchrun_args, *module_or_script_args,
+    ]  # fmt: skip
+    launch_id = uuid.uuid4().hex
+    full_env = {**os.environ, **(env or {})}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env[LAUNCH_ID_ENV] = launch_id
+
+    launcher_log = run_dir / "launcher.log"
+    timed_out = False
+    start = time.monotonic()
+    with open(launcher_log, "w") as log:
+        log.write(f"# {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+            start_new_session=True, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            # also reached on KeyboardInterrupt or any other exception in this process
+            if proc.poll() is None:
+                _terminate(proc, launch_id, kill_grace_s)
+            _kill_leftovers(proc.pid, launch_id)
+    duration = time.monotonic() - start
+
+    result = LaunchResult(
+        returncode=proc.returncode,
+        timed_out=timed_out,
+        duration_s=duration,
+        run_dir=run_dir,
+        timeout_s=timeout_s,
+        launcher_log=launcher_log,
+        launch_id=launch_id,
+        rank_logs=_find_rank_logs(log_dir, before),
+    )
+    if not result.ok and not timed_out:
+        result.failures = _parse_failures(launcher_log.read_text(errors="replace"), result)
+    return result
+
+
+def launch_or_raise(module_or_script_args: list[str], **kwargs) -> LaunchResult:
+    """``launch`` that raises ``LaunchError`` (message: ``describe()``) unless the job succeeded."""
+    result = launch(module_or_script_args, **kwargs)
+    if not result.ok:
+        raise LaunchError(result)
+    return result
+
+
+def survivors(launch_id: str, pgid: int | None = None) -> list[int]:
+    """Live (non-zombie) pids that carry ``launch_id`` in their env or sit in group ``pgid``."""
+    needle = f"{LAUNCH_ID_ENV}={launch_id}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z":
+                continue
+            if pgid is not None and int(fields[2]) == pgid:
+                found.append(pid)
+                continue
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if needle in environ.split(b"\0"):
+            found.append(pid)
+    return found
+
+
+# --- process cleanup ---------------------------------------------------------------------------
+
+
+def _signal_all(pids: Sequence[int], pgid: int, sig: signal.Signals) -> None:
+    """Signal torchrun's group and each pid; ones that are already gone are fine."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _terminate(proc: subprocess.Popen, launch_id: str, grace_s: float) -> None:
+    """SIGTERM torchrun and its workers, give them ``grace_s`` to exit, then SIGKILL everything."""
+    _signal_all(survivors(launch_id), proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_all(survivors(launch_id), proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _kill_leftovers(pgid: int, launch_id: str) -> None:
+    """SIGKILL whatever of the launch is still alive (e.g. daemons a worker spawned) and wait."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+            left = survivors(launch_id, pgid)
+        except ProcessLookupError:
+            left = survivors(launch_id)
+        if not left:
+            return
+        _signal_all(left, pgid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+# --- logs and failure parsing ------------------------------------------------------------------
+
+
+def _has_rdzv_args(torchrun_args: Sequence[str]) -> bool:
+    return any(a.split("=", 1)[0] in _RDZV_FLAGS for a in torchrun_args)
+
+
+def _find_rank_logs(log_dir: Path, before: set[str]) -> dict[int, Path]:
+    """Map local rank -> stderr.log of the last attempt of this launch.
+
+    torch 2.13 layout: ``<log_dir>/<rdzv_id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``
+    (plus ``error.json`` when the worker's main is wrapped in ``@record``).
+    """
+    runs = [p for p in log_dir.iterdir() if p.is_dir() and p.name not in before]
+    if not runs:
+        return {}
+    run = max(runs, key=lambda p: p.stat().st_mtime)
+    attempts = [p for p in run.glob("attempt_*") if p.name.removeprefix("attempt_").isdigit()]
+    if not attempts:
+        return {}
+    attempt = max(attempts, key=lambda p: int(p.name.removeprefix("attempt_")))
+    return {
+        int(p.name): p / "stderr.log" for p in attempt.iterdir() if p.is_dir() and p.name.isdigit()
+    }
+
+
+def _signal_name(exitcode: int) -> str | None:
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _parse_failures(launcher_text: str, result: LaunchResult) -> list[RankFailure]:
+    """Failed ranks from torchrun's summary, the most likely root cause first.
+
+    torchrun names the failure with the earliest (1 s resolution) timestamp as root cause; ties
+    go to the lower rank, so ranks that merely saw a peer die (SIGTERM from torchrun, gloo/nccl
+    "connection closed") are moved behind the others.
+    """
+    entries: list[tuple[int, int, int]] = []  # (rank, local_rank, exitcode)
+    root_at = launcher_text.rfind(_ROOT_MARK)
+    if root_at >= 0:
+        others_at = launcher_text.rfind("Failures:", 0, root_at)
+        sections = [launcher_text[root_at:], launcher_text[max(others_at, 0) : root_at]]
+        for section in sections:
+            for m in _FAILURE_RE.finditer(section):
+                entries.append((int(m["rank"]), int(m["local"]), int(m["code"])))
+    else:
+        for m in _AGENT_FAIL_RE.finditer(launcher_text):
+            entries.append((int(m["local"]), int(m["local"]), int(m["code"])))
+
+    failures, seen = [], set()
+    for rank, local, code in entries:
+        if rank in seen:
+            continue
+        seen.add(rank)
+        tail = result.tail(local)
+        failures.append(RankFailure(rank, code, _signal_name(code), tail, local))
+
+    def secondary(f: RankFailure) -> bool:
+        return f.signal == "SIGTERM" or any(m in f.log_tail for m in _SECONDARY_MARKERS)
+
+    return sorted(failures, key=secondary)  # stable: keeps torchrun's order otherwise
+
+
+def _tail_file(path: Path, n_lines: int, max_bytes: int = 256 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return _last_lines(data.decode(errors="replace"), n_lines)
+
+
+def _last_lines(text: str, n_lines: int) -> str:
+    return "\n".join(text.rstrip("\n").splitlines()[-n_lines:])
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())

@@ -1,0 +1,277 @@
+"""Job and pair specs: what to run under torchrun, validated up front with one-line errors.
+
+A bad spec should fail before any process starts, with a message that names the key and the
+file, not deep inside a worker on rank 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+import yaml
+
+TASKS = ("charcount-sft", "charcount-ppo", "custom")
+ENGINES = ("fsdp2", "ddp")
+VAL_LOSSES = ("fixed", "legacy")
+_MODULES = {"charcount-sft": "worker.sft", "charcount-ppo": "worker.ppo"}
+
+Scalar = str | int | float | bool
+
+
+class SpecError(ValueError):
+    """An invalid job or pair spec; the message is one line."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One torchrun job. ``to_args`` turns it into the module args for ``parity.launch``."""
+
+    task: str = "charcount-sft"
+    trainer: str = "worker"
+    world_size: int = 1
+    engine: str = "fsdp2"
+    global_batch_size: int = 16
+    micro_batch_size: int | None = 4
+    dynamic_bsz: bool = False
+    max_tokens_per_rank: int | None = None
+    steps: int = 20
+    seed: int = 0
+    model: str | None = None  # local HF model folder; None = the committed fixture
+    val_loss: str = "fixed"
+    overrides: dict[str, Scalar] = field(default_factory=dict)  # extra `--set key=value`
+    command: list[str] | None = None  # "custom" only; `{out}` -> the run folder
+    timeout_s: float = 600.0
+    nnodes: int = 1
+    torchrun_args: list[str] = field(default_factory=list)
+    inject: list[str] = field(default_factory=list)  # names of mutants to apply
+
+    def __post_init__(self) -> None:
+        _choice("task", self.task, TASKS)
+        _choice("engine", self.engine, ENGINES)
+        _choice("val_loss", self.val_loss, VAL_LOSSES)
+        if not isinstance(self.trainer, str) or not self.trainer:
+            raise SpecError(f"trainer must be a non-empty string, got {self.trainer!r}")
+        for name in ("world_size", "global_batch_size", "steps", "nnodes"):
+            _int(name, getattr(self, name), minimum=1)
+        _int("seed", self.seed)
+        _int("micro_batch_size", self.micro_batch_size, minimum=1, optional=True)
+        _int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1, optional=True)
+        if not isinstance(self.dynamic_bsz, bool):
+            raise SpecError(f"dynamic_bsz must be true or false, got {self.dynamic_bsz!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
+            raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
+        if self.timeout_s <= 0:
+            raise SpecError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if isinstance(self.model, Path):
+            object.__setattr__(self, "model", str(self.model))
+        if self.model is not None and not isinstance(self.model, str):
+            raise SpecError(f"model must be a path string, got {self.model!r}")
+        object.__setattr__(self, "inject", _str_list("inject", self.inject))
+        object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
+        object.__setattr__(self, "overrides", _overrides(self.overrides))
+        self._check_batch()
+        self._check_command()
+
+    def _check_batch(self) -> None:
+        ws, gbs = self.world_size, self.global_batch_size
+        if ws % self.nnodes:
+            raise SpecError(f"world_size {ws} is not divisible by nnodes {self.nnodes}")
+        if ws > gbs:
+            raise SpecError(f"world_size {ws} is larger than the global batch {gbs}")
+        if gbs % ws:
+            raise SpecError(f"global_batch_size {gbs} is not divisible by world_size {ws}")
+        if self.dynamic_bsz:
+            return
+        mbs, per_rank = self.micro_batch_size, gbs // ws
+        if mbs is None:
+            raise SpecError("micro_batch_size is required unless dynamic_bsz is true")
+        if per_rank % mbs:
+            raise SpecError(
+                f"micro_batch_size {mbs} does not divide the per-rank batch {per_rank} "
+                f"(global_batch_size {gbs} / world_size {ws})"
+            )
+
+    def _check_command(self) -> None:
+        if self.task == "custom":
+            if self.command is None or len(self.command) == 0:
+                raise SpecError("task 'custom' needs a command (module or script args)")
+            object.__setattr__(self, "command", _str_list("command", self.command))
+        elif self.command is not None:
+            raise SpecError(f"command is only used by task 'custom', not {self.task!r}")
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "spec") -> JobSpec:
+        """Build from parsed TOML/YAML; errors mention ``source`` (e.g. the file name)."""
+        _reject_unknown(data, source)
+        try:
+            return cls(**data)
+        except SpecError as e:
+            raise SpecError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict, for manifests and summaries."""
+        return dataclasses.asdict(self)
+
+    def to_args(self, out_dir: Path) -> list[str]:
+        """Module args for torchrun, e.g. ``["-m", "worker.sft", "--trainer", "worker", ...]``."""
+        if self.task == "custom":
+            assert self.command is not None
+            return [a.replace("{out}", str(out_dir)) for a in self.command]
+        args = ["-m", _MODULES[self.task], "--trainer", self.trainer, "--out", str(out_dir)]
+        args += ["--steps", str(self.steps), "--seed", str(self.seed), "--engine", self.engine]
+        args += ["--global-batch-size", str(self.global_batch_size)]
+        if self.dynamic_bsz:
+            args.append("--dynamic-bsz")
+        else:
+            args += ["--micro-batch-size", str(self.micro_batch_size)]
+        if self.max_tokens_per_rank is not None:
+            args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
+        if self.model is not None:
+            args += ["--model", self.model]
+        args += ["--val-loss", self.val_loss]
+        for key, value in self.overrides.items():  # extra job flags: {"val_samples": 16}
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                args.append(flag)
+            elif value is not False:
+                args += [flag, _format_scalar(value)]
+        if self.inject:  # mutants are applied by parity.inject in every rank, before the job
+            args = ["-m", "parity.inject", "--mutants", ",".join(self.inject), *args]
+        return args
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Two jobs that should agree: ``base`` with the ``a`` overrides vs with the ``b`` overrides.
+
+    Overrides replace whole fields (``overrides``/``inject`` included, no merging).
+    """
+
+    base: JobSpec
+    a: dict[str, Any] = field(default_factory=dict)
+    b: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)  # file it came from, for error messages
+
+    def __post_init__(self) -> None:
+        self.sides()  # validate both sides now, not when the pair is run
+
+    @classmethod
+    def from_trainers(cls, base: JobSpec, a: str = "legacy", b: str = "worker") -> PairSpec:
+        """The usual pair: the same job run by two trainers."""
+        return cls(base, {"trainer": a}, {"trainer": b})
+
+    def sides(self) -> tuple[JobSpec, JobSpec]:
+        """The two jobs, each ``base`` with its overrides applied and validated."""
+        where = f" of {self.source}" if self.source else ""
+        return (_apply(self.base, self.a, f"[a]{where}"), _apply(self.base, self.b, f"[b]{where}"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base.to_dict(), "a": dict(self.a), "b": dict(self.b)}
+
+
+def load_spec(path: str | Path) -> JobSpec | PairSpec:
+    """Read a ``.toml`` or ``.yaml``/``.yml`` spec: job keys at top level, optional a/b tables."""
+    path = Path(path)
+    source = str(path)
+    try:
+        if path.suffix == ".toml":
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(path.read_text())
+        else:
+            raise SpecError(f"{source}: unsupported spec format {path.suffix!r} (.toml or .yaml)")
+    except (OSError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(f"{source}: cannot read spec: {first}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: spec must be a table of keys, got {type(data).__name__}")
+    a, b = data.pop("a", None), data.pop("b", None)
+    base = JobSpec.from_dict(data, source)
+    if a is None and b is None:
+        return base
+    sides = {}
+    for name, table in (("a", a), ("b", b)):
+        if table is None:
+            table = {}
+        if not isinstance(table, dict):
+            raise SpecError(f"{source}: [{name}] must be a table, got {type(table).__name__}")
+        sides[name] = table
+    return PairSpec(base, sides["a"], sides["b"], source=source)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec))
+
+
+def _reject_unknown(data: Mapping[str, Any], source: str) -> None:
+    for key in data:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(str(key), _FIELDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise SpecError(f"unknown key {key!r} in {source}{hint}")
+
+
+def _apply(base: JobSpec, overrides: Mapping[str, Any], source: str) -> JobSpec:
+    if not isinstance(overrides, Mapping):
+        raise SpecError(f"{source}: overrides must be a table, got {type(overrides).__name__}")
+    _reject_unknown(overrides, source)
+    try:
+        return dataclasses.replace(base, **overrides)
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _int(name: str, value: object, minimum: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _str_list(name: str, value: object) -> list[str]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{name} must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _overrides(value: object) -> dict[str, Scalar]:
+    if not isinstance(value, Mapping):
+        raise SpecError(f"overrides must be a table of key = value, got {value!r}")
+    for key, v in value.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise SpecError(f"overrides key must be a non-empty string without '=', got {key!r}")
+        if not isinstance(v, str | int | float | bool):
+            raise SpecError(f"overrides[{key!r}] must be a string, number or bool, got {v!r}")
+    return dict(value)
+
+
+def _format_scalar(value: Scalar) -> str:
+    """Flag values: bools as true/false (TOML/YAML spelling), the rest as ``str``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

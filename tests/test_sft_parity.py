@@ -1,0 +1,188 @@
+"""Legacy vs worker SFT on charcount, 2 ranks under torchrun: every metric bitwise equal.
+
+Each claim is paired with a mutant (a deliberately broken worker, applied by parity.inject) that
+the same check must catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parity import assert_parity
+from parity.readers import read_metrics
+from parity.spec import JobSpec, PairSpec
+from worker.data.batching import collate
+from worker.data.charcount import DATA_DIR, encode, load_tokenizer, read_jsonl
+from worker.model import load_model
+
+pytestmark = pytest.mark.parity
+
+BITWISE = [
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/global_tokens",
+    "train/total_tokens(B)",
+]
+FIXED = JobSpec(
+    world_size=2,
+    steps=20,
+    micro_batch_size=4,
+    overrides={"val_before_train": True, "save_final": True},
+)
+DYNAMIC = JobSpec(
+    world_size=2, steps=20, dynamic_bsz=True, micro_batch_size=None, max_tokens_per_rank=1200
+)
+
+
+def _pair(runner, base: JobSpec, inject_b: list[str] | None = None):
+    b = {"trainer": "worker", "inject": inject_b or []}
+    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b))
+
+
+@pytest.mark.parametrize("base", [FIXED, DYNAMIC], ids=["fixed-micro-batches", "dynamic-bsz"])
+def test_legacy_and_worker_are_bitwise_equal(parity_runner, base):
+    pair = _pair(parity_runner, base)
+    comparison = assert_parity(pair.a, pair.b)
+    for metric in BITWISE + ["val/loss"]:
+        result = comparison.metrics[metric]
+        assert result.status == "match" and result.policy == "exact", metric
+        assert result.steps_compared >= (20 if metric.startswith("train") else 1)
+    assert comparison.metrics["train/mfu"].status == "ignored"
+    # the split really has several micro-batches per rank
+    lines = (pair.b.dir / "metrics.jsonl").read_text().splitlines()
+    per_rank = [json.loads(x)["_meta"]["per_rank"] for x in lines if '"_meta"' in x]
+    assert len(per_rank) == 20
+    assert all(p["num_micro_batches"] == [2, 2] for p in per_rank), per_rank
+
+
+def test_final_weights_are_bitwise_equal(parity_runner):
+    pair = _pair(parity_runner, FIXED)
+    wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (pair.a, pair.b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name].view(torch.int32), wb[name].view(torch.int32)), name
+    initial = load_model().state_dict()
+    assert not torch.equal(initial["model.norm.weight"], wb["model.norm.weight"])  # it trained
+
+
+MUTANT_FIRST_DIVERGENCE = {
+    "lr-before-step": ("train/lr", 1),
+    "micro-batch-token-mean": ("train/loss", 1),
+    "loss-summed-over-ranks": ("train/loss", 1),
+    "grad-norm-after-clip": ("train/grad_norm", 1),
+    "old-val-loss": ("val/loss", 0),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANT_FIRST_DIVERGENCE))
+def test_pair_check_catches_mutant(parity_runner, mutant):
+    metric, step = MUTANT_FIRST_DIVERGENCE[mutant]
+    pair = _pair(parity_runner, FIXED, inject_b=[mutant])
+    comparison = pair.comparison
+    assert comparison.verdict == "diverged"
+    result = comparison.metrics[metric]
+    assert result.status == "diverged" and result.first_divergent_step == step
+    with pytest.raises(pytest.fail.Exception, match=metric.replace("(", r"\(").replace(")", r"\)")):
+        assert_parity(pair.a, pair.b)
+
+
+# --- val loss: the fixed value against an independent float64 oracle ---------------------------
+
+
+def oracle_val_loss(weights: dict[str, torch.Tensor] | None = None) -> float:
+    """Token-weighted mean NLL over the whole val set, one sample at a time, in float64."""
+    model = load_model(attn="eager").double()
+    if weights is not None:
+        model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=False)
+    tok = load_tokenizer()
+    nll_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in read_jsonl(DATA_DIR / "val.jsonl"):
+            mb = collate([encode(sample, tok, 512)])
+            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), mb.labels.reshape(-1), reduction="none"
+            )
+            nll_sum += float((nll * mb.loss_mask.reshape(-1)).sum())
+            tokens += mb.num_loss_tokens
+    return nll_sum / tokens
+
+
+def test_val_loss_matches_float64_oracle(parity_runner):
+    run = _pair(parity_runner, FIXED).b
+    val = run.metrics["val/loss"].dropna()
+    assert list(val.index) == [0, 20]
+    before = oracle_val_loss()
+    after = oracle_val_loss(load_file(str(run.dir / "final.safetensors")))
+    assert abs(val[0] - before) / before <= 1e-6
+    assert abs(val[20] - after) / after <= 1e-6
+
+
+def test_oracle_check_catches_old_formula(parity_runner):
+    run = _pair(parity_runner, FIXED, inject_b=["old-val-loss"]).b
+    before = oracle_val_loss()
+    assert abs(run.metrics["val/loss"][0] - before) / before > 0.4
+
+
+# --- the legacy formula: wrong with several micro-batches, exact with one ----------------------
+
+
+def _val_only(trainer: str, val_loss: str, micro_batch_size: int) -> JobSpec:
+    return JobSpec(
+        trainer=trainer,
+        world_size=2,
+        steps=1,
+        micro_batch_size=micro_batch_size,
+        val_loss=val_loss,
+        overrides={"val_before_train": True, "val_samples": 16},
+    )
+
+
+def test_legacy_val_formula_divides_by_micro_batch_count(parity_runner):
+    # one val batch of 16 = the global batch; 8 per rank in micro-batches of 4: 2 per rank
+    old = parity_runner.job(_val_only("legacy", "legacy", 4)).metrics["val/loss"][0]
+    fixed = parity_runner.job(_val_only("worker", "fixed", 4)).metrics["val/loss"][0]
+    assert old == pytest.approx(fixed / 2, rel=1e-12)
+    assert old != fixed
+
+
+def test_legacy_val_formula_is_exact_with_one_micro_batch(parity_runner):
+    old = parity_runner.job(_val_only("legacy", "legacy", 8)).metrics["val/loss"][0]
+    fixed = parity_runner.job(_val_only("worker", "fixed", 8)).metrics["val/loss"][0]
+    assert np.float64(old).view(np.uint64) == np.float64(fixed).view(np.uint64)
+
+
+# --- accelerate launch ------------------------------------------------------------------------
+
+
+def _accelerate(out, *launcher_args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["-m", "worker.sft", "--trainer", "worker", "--out", str(out), "--steps", "20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_worker_under_accelerate_launch_matches_torchrun(parity_runner, tmp_path):
+    proc = _accelerate(tmp_path / "acc", "--multi_gpu", "--num_processes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accelerated = read_metrics(tmp_path / "acc")
+    torchrun = parity_runner.job(JobSpec(world_size=2, steps=20)).metrics
+    assert_parity(accelerated, torchrun)
+
+
+def test_accelerate_cpu_flag_trap_runs_one_process(tmp_path):
+    """`accelerate launch --cpu --num_processes 2` silently runs ONE process, as measured."""
+    proc = _accelerate(tmp_path / "cpu", "--cpu", "--num_processes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "cpu" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1

@@ -1,0 +1,155 @@
+"""Unit tests of parity.spec: validation messages, to_args, pairs, and loading TOML/YAML."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.spec import JobSpec, PairSpec, SpecError, load_spec
+
+
+def test_defaults_are_valid_and_to_dict_is_json() -> None:
+    spec = JobSpec()
+    assert spec.nproc_per_node == 1
+    assert json.loads(json.dumps(spec.to_dict()))["steps"] == 20
+
+
+def test_sft_args(tmp_path: Path) -> None:
+    spec = JobSpec(
+        trainer="legacy", world_size=2, steps=5, seed=3, engine="ddp", model="/m",
+        val_loss="legacy", max_tokens_per_rank=512, overrides={"lr": 0.01, "padded": True},
+        inject=["no_clip", "bad_scale"],
+    )  # fmt: skip
+    assert spec.to_args(tmp_path) == [
+        "-m", "parity.inject", "--mutants", "no_clip,bad_scale",
+        "-m", "worker.sft", "--trainer", "legacy", "--out", str(tmp_path),
+        "--steps", "5", "--seed", "3", "--engine", "ddp", "--global-batch-size", "16",
+        "--micro-batch-size", "4", "--max-tokens-per-rank", "512", "--model", "/m",
+        "--val-loss", "legacy", "--lr", "0.01", "--padded",
+    ]  # fmt: skip
+
+
+def test_ppo_dynamic_args_omit_micro_batch(tmp_path: Path) -> None:
+    args = JobSpec(task="charcount-ppo", dynamic_bsz=True, micro_batch_size=None).to_args(tmp_path)
+    assert args[:2] == ["-m", "worker.ppo"]
+    assert "--dynamic-bsz" in args
+    assert "--micro-batch-size" not in args and "--model" not in args
+
+
+def test_custom_command_substitutes_out(tmp_path: Path) -> None:
+    spec = JobSpec(task="custom", command=["script.py", "--out", "{out}", "--log={out}/x"])
+    assert spec.to_args(tmp_path) == ["script.py", "--out", str(tmp_path), f"--log={tmp_path}/x"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"steps": 0}, "steps must be >= 1, got 0"),
+        ({"world_size": 0}, "world_size must be >= 1, got 0"),
+        (
+            {"world_size": 8, "global_batch_size": 4},
+            "world_size 8 is larger than the global batch 4",
+        ),
+        ({"world_size": 3}, "global_batch_size 16 is not divisible by world_size 3"),
+        ({"world_size": 2, "micro_batch_size": 3}, "micro_batch_size 3 does not divide"),
+        ({"micro_batch_size": None}, "micro_batch_size is required unless dynamic_bsz"),
+        ({"task": "custom"}, "task 'custom' needs a command"),
+        ({"command": ["x.py"]}, "command is only used by task 'custom'"),
+        ({"task": "pretrain"}, "task must be one of charcount-sft, charcount-ppo, custom"),
+        ({"engine": "deepspeed"}, "engine must be one of fsdp2, ddp"),
+        ({"val_loss": "mean"}, "val_loss must be one of fixed, legacy"),
+        ({"steps": "3"}, "steps must be an integer, got '3'"),
+        ({"seed": True}, "seed must be an integer"),
+        ({"trainer": ""}, "trainer must be a non-empty string"),
+        ({"timeout_s": 0}, "timeout_s must be > 0"),
+        ({"world_size": 2, "nnodes": 4}, "world_size 2 is not divisible by nnodes 4"),
+        ({"overrides": {"a=b": 1}}, "overrides key must be a non-empty string without '='"),
+        ({"overrides": {"lr": [1]}}, "overrides['lr'] must be a string, number or bool"),
+        ({"inject": "no_clip"}, "inject must be a list of strings"),
+    ],
+)
+def test_validation_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        JobSpec(**kwargs)
+    text = str(info.value)
+    assert message in text and "\n" not in text
+
+
+def test_dynamic_bsz_skips_micro_batch_check() -> None:
+    JobSpec(world_size=2, micro_batch_size=3, dynamic_bsz=True)
+
+
+def test_unknown_key_names_source() -> None:
+    with pytest.raises(SpecError, match="unknown key 'stepz' in spec.toml \\(did you mean 'steps'"):
+        JobSpec.from_dict({"stepz": 3}, "spec.toml")
+    with pytest.raises(SpecError, match="^spec.toml: steps must be >= 1, got 0$"):
+        JobSpec.from_dict({"steps": 0}, "spec.toml")
+
+
+def test_pair_sides_and_from_trainers() -> None:
+    base = JobSpec(world_size=2, steps=4)
+    a, b = PairSpec.from_trainers(base).sides()
+    assert (a.trainer, b.trainer) == ("legacy", "worker")
+    assert a.steps == b.steps == 4
+    _, b = PairSpec(base, {}, {"inject": ["no_clip"]}).sides()
+    assert b.inject == ["no_clip"] and base.inject == []
+    with pytest.raises(SpecError, match="unknown key 'trainr' in \\[a\\]"):
+        PairSpec(base, {"trainr": "legacy"}, {})
+    with pytest.raises(SpecError, match="^\\[b\\]: world_size 32 is larger"):
+        PairSpec(base, {}, {"world_size": 32})
+
+
+def test_load_toml_job_and_pair(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('task = "charcount-sft"\nworld_size = 2\nsteps = 3\n[overrides]\nlr = 0.5\n')
+    spec = load_spec(job)
+    assert isinstance(spec, JobSpec)
+    assert (spec.world_size, spec.steps, spec.overrides) == (2, 3, {"lr": 0.5})
+
+    pair = tmp_path / "pair.toml"
+    pair.write_text('world_size = 2\n[a]\ntrainer = "legacy"\n[b]\nengine = "ddp"\n')
+    spec = load_spec(pair)
+    assert isinstance(spec, PairSpec)
+    a, b = spec.sides()
+    assert (a.trainer, a.engine, b.trainer, b.engine) == ("legacy", "fsdp2", "worker", "ddp")
+
+
+def test_load_yaml_pair(tmp_path: Path) -> None:
+    path = tmp_path / "pair.yaml"
+    path.write_text(
+        "task: custom\ncommand: [tests/dummy_job.py, '{out}']\nworld_size: 2\n"
+        "torchrun_args: [--max-restarts, '0']\nb:\n  inject: [no_clip]\n"
+    )
+    spec = load_spec(path)
+    assert isinstance(spec, PairSpec)
+    a, b = spec.sides()
+    assert a.inject == [] and b.inject == ["no_clip"]
+    assert a.command == ["tests/dummy_job.py", "{out}"]
+    assert a.torchrun_args == ["--max-restarts", "0"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("spec.toml", "stepz = 3\n", "unknown key 'stepz' in {path}"),
+        ("spec.toml", "steps = 0\n", "{path}: steps must be >= 1, got 0"),
+        ("spec.toml", "steps = \n", "{path}: cannot read spec"),
+        ("spec.yaml", "- 1\n- 2\n", "{path}: spec must be a table"),
+        ("spec.yml", "b:\n  stepz: 1\n", "unknown key 'stepz' in [b] of {path}"),
+        ("spec.yaml", "a: 3\n", "{path}: [a] must be a table"),
+        ("spec.json", "{}", "{path}: unsupported spec format '.json'"),
+    ],
+)
+def test_load_errors_name_the_file(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert message.format(path=path) in str(info.value)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read spec"):
+        load_spec(tmp_path / "nope.toml")

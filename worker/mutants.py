@@ -1,0 +1,101 @@
+"""Our catalogue of realistic bugs, each a small monkeypatch of the worker-side code.
+
+Applied with `parity.inject` in every rank before training (see `parity mutants`). Each entry
+names the check that must catch it; a parity check that passes on one of these is a defect.
+"""
+
+from __future__ import annotations
+
+
+def old_val_loss() -> None:
+    """val/loss as the mean of micro-batch losses: too small by the micro-batch count."""
+    from worker.trainers.sft import SFTTrainer
+
+    def validate(self) -> float:
+        d = self.job.dist
+        out = self.worker.forward(self.job.val[d.rank :: d.world], self.loss_fn)
+        return out["loss"] / out["per_rank"]["num_micro_batches"][d.rank]
+
+    SFTTrainer.validate = validate
+
+
+def lr_before_step() -> None:
+    """train/lr read before the scheduler steps: the classic off-by-one."""
+    from worker.training_worker import TrainingWorker
+
+    def optim_step(self) -> dict:
+        lr = self.engine.current_lr()
+        grad_norm = self.engine.clip_grad_norm()
+        applied = self.engine.step(grad_norm)
+        return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}
+
+    TrainingWorker.optim_step = optim_step
+
+
+def micro_batch_token_mean() -> None:
+    """Each micro-batch's own token-mean, weighted by its share of sequences.
+
+    The gradient-accumulation bug transformers fixed in 2024: equal to the global token-mean only
+    when every micro-batch has the same number of loss tokens.
+    """
+    import worker.trainers.sft as sft
+    from worker.losses import LossScale
+
+    correct = sft.sft_loss
+
+    def per_micro_batch_mean(logits, mb, scale: LossScale, mode: str = "token-mean"):
+        local = LossScale(float(max(mb.num_loss_tokens, 1)), scale.global_seqs, 1, scale.horizon)
+        loss, metrics = correct(logits, mb, local, mode)
+        return loss * (mb.num_seqs / scale.global_seqs) * scale.dp, metrics
+
+    sft.sft_loss = per_micro_batch_mean
+
+
+def grad_norm_after_clip() -> None:
+    """train/grad_norm measured after clipping (capped at the clip value)."""
+    from worker.training_worker import TrainingWorker
+
+    def optim_step(self) -> dict:
+        self.engine.clip_grad_norm()
+        after = self.engine.clip_grad_norm()  # the norm of the already clipped gradients
+        applied = self.engine.step(after)
+        return {"grad_norm": float(after), "lr": self.engine.current_lr(), "applied": applied}
+
+    TrainingWorker.optim_step = optim_step
+
+
+def loss_summed_over_ranks() -> None:
+    """train/loss summed over ranks instead of averaged: off by a factor dp."""
+    from worker.distributed import all_reduce_sum
+    from worker.training_worker import TrainingWorker
+
+    def reduce(self, value: float) -> float:
+        return float(all_reduce_sum(value, self.dist.device))
+
+    TrainingWorker.reduce_mean_over_ranks = reduce
+
+
+def sampler_without_set_epoch() -> None:
+    """Every epoch repeats the first epoch's order: data order diverges from epoch 2."""
+    from torch.utils.data import DistributedSampler
+
+    DistributedSampler.set_epoch = lambda self, epoch: None
+
+
+MUTANTS = {
+    "old-val-loss": ("val/loss as the mean of micro-batch losses", old_val_loss),
+    "lr-before-step": ("train/lr logged before the scheduler step", lr_before_step),
+    "micro-batch-token-mean": (
+        "loss normalized per micro-batch instead of by the global token count",
+        micro_batch_token_mean,
+    ),
+    "grad-norm-after-clip": ("train/grad_norm read after clipping", grad_norm_after_clip),
+    "loss-summed-over-ranks": (
+        "train/loss summed instead of averaged over ranks",
+        loss_summed_over_ranks,
+    ),
+    "sampler-without-set-epoch": (
+        "DistributedSampler.set_epoch never called",
+        sampler_without_set_epoch,
+    ),
+}
