@@ -82,6 +82,20 @@ def sampler_without_set_epoch() -> None:
     DistributedSampler.set_epoch = lambda self, epoch: None
 
 
+def resume_without_optimizer() -> None:
+    """load_state restores the weights but not the AdamW moments."""
+    from worker.engine import Engine
+
+    original = Engine.load
+
+    def load(self, path):
+        extra = original(self, path)
+        self.optimizer.state.clear()
+        return extra
+
+    Engine.load = load
+
+
 MUTANTS = {
     "old-val-loss": ("val/loss as the mean of micro-batch losses", old_val_loss),
     "lr-before-step": ("train/lr logged before the scheduler step", lr_before_step),
@@ -98,4 +112,5 @@ MUTANTS = {
         "DistributedSampler.set_epoch never called",
         sampler_without_set_epoch,
     ),
+    "resume-without-optimizer": ("load_state drops the optimizer state", resume_without_optimizer),
 }

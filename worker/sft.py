@@ -15,6 +15,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run)(argv)  # torchrun then reports the failing rank's own traceback
+
+
+def _run(argv: list[str] | None) -> int:
     from worker.distributed import shutdown_distributed
     from worker.trainers.common import SFTJob, parse_config
     from worker.trainers.legacy_sft import LegacySFTTrainer

@@ -1,0 +1,373 @@
+"""Compare two canonical metric frames metric by metric: policies, ULP distance, first divergence.
+
+ULP distance puts every float64 on one ordered integer line, so adjacent floats are 1 apart,
+also across zero (-5e-324 and 5e-324 are 2 apart). -0.0 and +0.0 are the same point on that
+line (distance 0); the "exact" policy still tells them apart and says "sign of zero differs".
+NaN is 0 from NaN and ULP_MAX from anything else; an infinity is ULP_MAX from anything but
+itself.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+
+from parity.readers import IncompleteRunError, MetricsError, present_mask
+
+__all__ = [
+    "ULP_MAX",
+    "Comparison",
+    "IncompleteRunError",
+    "MetricResult",
+    "MetricsError",
+    "Policy",
+    "compare_frames",
+    "default_policy",
+    "ulp_distance",
+]
+
+ULP_MAX = int(np.iinfo(np.uint64).max)
+_SIGN = np.uint64(1 << 63)
+_TIMING = ("mfu", "time", "timing", "throughput", "tokens_per_s", "/tps", "perf/")
+_ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
+
+
+def _ordered(x: np.ndarray) -> np.ndarray:
+    """float64 bits -> uint64 keys in the order of the reals; both zeros map to 2**63."""
+    u = np.asarray(x, dtype=np.float64).view(np.uint64)
+    magnitude = u & ~_SIGN
+    return np.where((u & _SIGN) != 0, _SIGN - magnitude, u + _SIGN)
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise distance in units in the last place (uint64), symmetric, ±0 equal."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    ka, kb = _ordered(a), _ordered(b)
+    d = np.where(ka >= kb, ka - kb, kb - ka)
+    with np.errstate(invalid="ignore"):
+        far = ((np.isinf(a) | np.isinf(b)) & (a != b)) | (np.isnan(a) != np.isnan(b))
+    d = np.where(far, np.uint64(ULP_MAX), d)
+    return np.where(np.isnan(a) & np.isnan(b), np.uint64(0), d)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one metric is judged: exact bits, within K ULP, numpy isclose, or not at all."""
+
+    kind: Literal["exact", "ulp", "close", "ignore"] = "exact"
+    ulp: int = 0
+    rtol: float = 0.0
+    atol: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "ulp", "close", "ignore"):
+            raise ValueError(f"bad policy kind {self.kind!r}")
+        if isinstance(self.ulp, bool) or not isinstance(self.ulp, int) or self.ulp < 0:
+            raise ValueError(f"bad policy: ulp must be a non-negative integer, got {self.ulp!r}")
+        for name in ("rtol", "atol"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"bad policy: {name} must be finite and >= 0, got {v!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """'exact' | 'ulp:K' | 'close:RTOL,ATOL' (or 'close:RTOL') | 'ignore'."""
+        kind, sep, arg = text.strip().partition(":")
+        try:
+            if kind in ("exact", "ignore") and not sep:
+                return cls(kind)
+            if kind == "ulp" and arg.strip().isdigit():
+                return cls("ulp", ulp=int(arg))
+            if kind == "close" and arg:
+                parts = [float(p) for p in arg.split(",")]
+                if len(parts) in (1, 2):
+                    return cls("close", rtol=parts[0], atol=parts[1] if len(parts) == 2 else 0.0)
+        except ValueError:
+            pass
+        raise ValueError(f"bad policy {text!r}: expected exact, ulp:K, close:RTOL,ATOL or ignore")
+
+    def __str__(self) -> str:
+        if self.kind == "ulp":
+            return f"ulp:{self.ulp}"
+        if self.kind == "close":
+            return f"close:{self.rtol!r},{self.atol!r}"
+        return self.kind
+
+
+def default_policy(metric: str) -> Policy:
+    """Timing-like metrics are ignored (they never reproduce); everything else is exact."""
+    name = metric.lower()
+    return Policy("ignore") if any(t in name for t in _TIMING) else Policy("exact")
+
+
+def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
+    """Exact name first, then the first matching glob in mapping order, then the default."""
+    chosen = policies.get(metric)
+    if chosen is None:
+        chosen = next(
+            (p for pat, p in policies.items() if fnmatch.fnmatchcase(metric, pat)),
+            None,
+        )
+    if chosen is None:
+        return default_policy(metric)
+    return chosen if isinstance(chosen, Policy) else Policy.parse(chosen)
+
+
+@dataclass
+class MetricResult:
+    """One metric's verdict and where it first went wrong."""
+
+    name: str
+    policy: str
+    status: Literal["match", "diverged", "ignored", "missing"]
+    ok: bool = True
+    steps_compared: int = 0
+    exact_matches: int = 0
+    divergent_steps: int = 0
+    first_divergent_step: int | None = None
+    a_value: float | None = None
+    b_value: float | None = None
+    max_abs_diff: float | None = None
+    max_abs_diff_step: int | None = None
+    max_rel_diff: float | None = None
+    max_rel_diff_step: int | None = None
+    max_ulp: int | None = None
+    max_ulp_step: int | None = None
+    missing_in_a: list[int] = field(default_factory=list)
+    missing_in_b: list[int] = field(default_factory=list)
+    note: str = ""
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, (float, np.floating)):
+        return float(v) if math.isfinite(v) else repr(float(v))
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, list):
+        return [_json(x) for x in v]
+    return v
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, int) and v == ULP_MAX:
+        return "max"
+    return repr(v)
+
+
+@dataclass
+class Comparison:
+    """All metrics' results; verdict "aligned" only when none of them failed."""
+
+    verdict: Literal["aligned", "diverged"]
+    metrics: dict[str, MetricResult]
+    a_source: str | None = None
+    b_source: str | None = None
+    steps_only_in_a: list[int] = field(default_factory=list)
+    steps_only_in_b: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "aligned"
+
+    @property
+    def failures(self) -> list[MetricResult]:
+        return [m for m in self.metrics.values() if not m.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (json.dumps(..., allow_nan=False)); non-finite floats become strings."""
+        return {
+            "verdict": self.verdict,
+            "a": self.a_source,
+            "b": self.b_source,
+            "steps_only_in_a": _json(self.steps_only_in_a),
+            "steps_only_in_b": _json(self.steps_only_in_b),
+            "metrics": {
+                name: {k: _json(v) for k, v in asdict(m).items() if k != "name"}
+                for name, m in self.metrics.items()
+            },
+        }
+
+    def table(self, max_rows: int = 20) -> str:
+        """Fixed-width text table, failures first: the pytest failure message."""
+        rows = sorted(self.metrics.values(), key=lambda m: (m.ok, _ORDER[m.status], m.name))
+        counts = {s: sum(m.status == s for m in rows) for s in _ORDER}
+        lines = [
+            f"verdict: {self.verdict} ("
+            + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+            + f")  a={self.a_source}  b={self.b_source}"
+        ]
+        for side, steps in (("a", self.steps_only_in_a), ("b", self.steps_only_in_b)):
+            if steps:
+                lines.append(f"steps only in {side}: {_steps(steps)}")
+        header = (
+            "metric",
+            "policy",
+            "status",
+            "compared",
+            "first_diff",
+            "a",
+            "b",
+            "max_ulp",
+            "note",
+        )
+        cells = [
+            (
+                m.name,
+                m.policy,
+                m.status,
+                str(m.steps_compared),
+                _fmt(m.first_divergent_step),
+                _fmt(m.a_value),
+                _fmt(m.b_value),
+                _fmt(m.max_ulp),
+                m.note,
+            )
+            for m in rows[:max_rows]
+        ]
+        widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header) - 1)]
+        for r in [header, *cells]:  # the note column is last and not padded
+            padded = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)]
+            lines.append("  ".join([*padded, r[-1]]).rstrip())
+        if len(rows) > max_rows:
+            rest = rows[max_rows:]
+            lines.append(f"... {len(rest)} more metrics ({sum(not m.ok for m in rest)} failing)")
+        return "\n".join(lines)
+
+
+def _steps(steps: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+def _compare_metric(
+    name: str,
+    policy: Policy,
+    steps: np.ndarray,
+    a: np.ndarray | None,
+    pa: np.ndarray,
+    b: np.ndarray | None,
+    pb: np.ndarray,
+    allow_missing: bool,
+) -> MetricResult:
+    res = MetricResult(name=name, policy=str(policy), status="match")
+    if policy.kind == "ignore":
+        res.status = "ignored"
+        return res
+    res.missing_in_a = [int(s) for s in steps[pb & ~pa]]
+    res.missing_in_b = [int(s) for s in steps[pa & ~pb]]
+    if a is None or b is None:
+        res.status, res.ok = "missing", allow_missing
+        res.note = f"metric absent from {'a' if a is None else 'b'}"
+        return res
+    both = pa & pb
+    x, y, st = a[both], b[both], steps[both]
+    res.steps_compared = len(st)
+    same = (x.view(np.uint64) == y.view(np.uint64)) | (np.isnan(x) & np.isnan(y))
+    res.exact_matches = int(same.sum())
+    ulp = ulp_distance(x, y)
+    if policy.kind == "exact":
+        good = same
+    elif policy.kind == "ulp":
+        good = ulp <= np.uint64(policy.ulp)
+    else:
+        good = np.isclose(x, y, rtol=policy.rtol, atol=policy.atol, equal_nan=True)
+    notes = []
+    zero_sign = (x == 0) & (y == 0) & ~same
+    if zero_sign.any():
+        notes.append(f"sign of zero differs at step {int(st[np.argmax(zero_sign)])}")
+    if len(st):
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            absd = np.where(same, 0.0, np.abs(x - y))
+            absd = np.where(np.isnan(absd), np.inf, absd)
+            scale = np.maximum(np.abs(x), np.abs(y))
+            reld = np.where(absd == 0, 0.0, absd / scale)
+            reld = np.where(np.isnan(reld), np.inf, reld)
+        i, j, k = int(np.argmax(absd)), int(np.argmax(reld)), int(np.argmax(ulp))
+        res.max_abs_diff, res.max_abs_diff_step = float(absd[i]), int(st[i])
+        res.max_rel_diff, res.max_rel_diff_step = float(reld[j]), int(st[j])
+        res.max_ulp, res.max_ulp_step = int(ulp[k]), int(st[k])
+    bad = ~good
+    res.divergent_steps = int(bad.sum())
+    if res.divergent_steps:
+        i = int(np.argmax(bad))
+        res.status, res.ok = "diverged", False
+        res.first_divergent_step = int(st[i])
+        res.a_value, res.b_value = float(x[i]), float(y[i])
+    elif res.missing_in_a or res.missing_in_b:
+        res.status, res.ok = "missing", allow_missing
+    for side, miss in (("a", res.missing_in_a), ("b", res.missing_in_b)):
+        if miss:
+            notes.append(f"missing in {side} at steps {_steps(miss)}")
+    res.note = "; ".join(notes)
+    return res
+
+
+def compare_frames(
+    a: pd.DataFrame,
+    b: pd.DataFrame,
+    policies: Mapping[str, Policy | str] | None = None,
+    *,
+    allow_missing: bool = False,
+    allow_incomplete: bool = False,
+) -> Comparison:
+    """Compare every metric of two canonical frames (see parity.readers) under its policy.
+
+    policies: metric name or fnmatch glob -> Policy or its text; an exact name beats a glob,
+    globs are tried in mapping order, and unmatched metrics get default_policy. Metrics or steps
+    present on one side only fail (status "missing") unless allow_missing. A side read from an
+    incomplete run (attrs["complete"] is False) raises IncompleteRunError unless allow_incomplete.
+    """
+    for side, frame in (("a", a), ("b", b)):
+        if frame.attrs.get("complete") is False and not allow_incomplete:
+            raise IncompleteRunError(
+                f"{frame.attrs.get('source', side)}: run is incomplete (no end record); "
+                "pass allow_incomplete to compare anyway"
+            )
+        if not frame.index.is_unique or not frame.columns.is_unique:
+            raise ValueError(f"frame {side}: steps and metric names must be unique")
+    policies = policies or {}
+    for p in policies.values():  # bad policy text fails early, even if it matches nothing
+        if not isinstance(p, Policy):
+            Policy.parse(p)
+    steps_index = a.index.union(b.index).sort_values()
+    steps = np.asarray(steps_index, dtype=np.int64)
+    present = {}
+    for side, frame in (("a", a), ("b", b)):
+        mask = present_mask(frame).reindex(index=steps_index, fill_value=False)
+        present[side] = mask.astype(bool)
+    results: dict[str, MetricResult] = {}
+    names = sorted(set(map(str, a.columns)) | set(map(str, b.columns)))
+    none = np.zeros(len(steps), dtype=bool)
+    for name in names:
+        cols = {}
+        for side, frame in (("a", a), ("b", b)):
+            if name in frame.columns:
+                values = frame[name].reindex(steps_index).to_numpy(dtype=np.float64)
+                cols[side] = (values, present[side][name].to_numpy())
+            else:
+                cols[side] = (None, none)
+        results[name] = _compare_metric(
+            name, _resolve(name, policies), steps, *cols["a"], *cols["b"], allow_missing
+        )
+    only_a = [int(s) for s in a.index.difference(b.index)]
+    only_b = [int(s) for s in b.index.difference(a.index)]
+    failed = any(not r.ok for r in results.values()) or bool(
+        (only_a or only_b) and not allow_missing
+    )
+    return Comparison(
+        verdict="diverged" if failed else "aligned",
+        metrics=results,
+        a_source=a.attrs.get("source"),
+        b_source=b.attrs.get("source"),
+        steps_only_in_a=only_a,
+        steps_only_in_b=only_b,
+    )

@@ -1,0 +1,91 @@
+"""The `parity` command line: verdicts as exit codes, --json, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from parity.cli import main
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "end", "steps": 3}\n')
+    return path
+
+
+def _rows(grad_norm_step2=1.5):
+    return [
+        {"step": 1, "train/loss": 2.0, "train/grad_norm": 1.25, "train/mfu": 0.1},
+        {"step": 2, "train/loss": 1.5, "train/grad_norm": grad_norm_step2, "train/mfu": 0.2},
+        {"step": 3, "train/loss": 1.25, "train/grad_norm": 1.0, "train/mfu": 0.3},
+    ]
+
+
+def test_compare_aligned_and_diverged(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", _rows())
+    b = _write(tmp_path / "b.jsonl", _rows())
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "aligned" in capsys.readouterr().out
+    c = _write(tmp_path / "c.jsonl", _rows(float(np.nextafter(1.5, 2.0))))
+    assert main(["compare", str(a), str(c), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "diverged"
+    grad = out["metrics"]["train/grad_norm"]
+    assert (
+        grad["status"] == "diverged" and grad["first_divergent_step"] == 2 and grad["max_ulp"] == 1
+    )
+    assert out["metrics"]["train/mfu"]["status"] == "ignored"
+    assert main(["compare", str(a), str(c), "--policy", "train/grad_norm=ulp:1"]) == 0
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", _rows())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "train/loss": "abc"}\n')
+    assert main(["compare", str(a), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.jsonl" in err
+    assert main(["compare", str(a), str(a), "--policy", "train/loss=ulp"]) == 2
+    assert "ulp" in capsys.readouterr().err
+
+
+def test_mutants_are_listed(capsys):
+    assert main(["mutants"]) == 0
+    out = capsys.readouterr().out
+    for name in ("old-val-loss", "lr-before-step", "grad-norm-after-clip"):
+        assert name in out
+
+
+def _parity(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "parity.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parity
+def test_pair_command_catches_injected_bug(tmp_path):
+    proc = _parity(
+        "pair", "--a", "legacy", "--b", "worker", "--world", "2", "--steps", "3",
+        "--inject-b", "lr-before-step", "--out", str(tmp_path / "pair"), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["verdict"] == "diverged"
+    assert out["metrics"]["train/lr"]["first_divergent_step"] == 1
+    assert out["metrics"]["train/loss"]["status"] == "match"  # lr logged wrong, step taken right
+    for part in ("a/metrics.jsonl", "b/metrics.jsonl", "summary.json", "summary.md"):
+        assert (tmp_path / "pair" / part).exists(), part
+
+
+@pytest.mark.parity
+def test_pair_command_reports_a_failed_run(tmp_path):
+    proc = _parity(
+        "pair", "--world", "2", "--steps", "2", "--model", str(tmp_path / "no-model"),
+        "--out", str(tmp_path / "pair"),
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert "run failed" in proc.stderr and "rank" in proc.stderr
+    assert "not a model folder" in proc.stderr

@@ -1,0 +1,270 @@
+"""compare: ULP distance, policies, and the verdict on two runs' metrics."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity.compare import (
+    ULP_MAX,
+    IncompleteRunError,
+    Policy,
+    compare_frames,
+    default_policy,
+    ulp_distance,
+)
+from parity.readers import read_metrics
+
+finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True)
+anyfloat = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+def bits(x: float) -> int:
+    return int(np.float64(x).view(np.uint64))
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=anyfloat, b=anyfloat)
+def test_ulp_symmetric_and_zero_iff_same_bits(a, b):
+    d = int(ulp_distance(a, b))
+    assert d == int(ulp_distance(b, a))
+    if math.isnan(a) or math.isnan(b):
+        assert d == (0 if math.isnan(a) and math.isnan(b) else ULP_MAX)
+    else:
+        # ±0 are one point on the ULP line; otherwise 0 exactly when the bits are equal
+        assert (d == 0) == (bits(a) == bits(b) or a == b == 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=finite, direction=st.sampled_from([math.inf, -math.inf]))
+def test_ulp_neighbour_is_one(x, direction):
+    with np.errstate(over="ignore"):
+        y = float(np.nextafter(x, direction))
+    if math.isinf(y):
+        assert ulp_distance(x, y) == ULP_MAX  # an infinity is not a neighbour of anything
+    elif x == y == 0:  # nextafter(-0.0, +inf) is 5e-324, never +0.0
+        raise AssertionError("unreachable")
+    else:
+        assert ulp_distance(x, y) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(xs=st.lists(finite, min_size=3, max_size=3))
+def test_ulp_adds_up_along_the_line(xs):
+    a, b, c = sorted(xs)
+    assert int(ulp_distance(a, c)) == int(ulp_distance(a, b)) + int(ulp_distance(b, c))
+
+
+def test_ulp_across_zero_and_specials():
+    assert ulp_distance(-5e-324, 5e-324) == 2
+    assert ulp_distance(-0.0, 0.0) == 0
+    assert ulp_distance(0.0, 5e-324) == 1 and ulp_distance(-0.0, 5e-324) == 1
+    assert ulp_distance(np.inf, np.inf) == 0 and ulp_distance(-np.inf, np.inf) == ULP_MAX
+    assert ulp_distance(np.inf, 1.7976931348623157e308) == ULP_MAX
+    got = ulp_distance(np.array([1.0, np.nan, np.nan]), np.array([1.0, np.nan, 2.0]))
+    assert got.dtype == np.uint64 and list(got) == [0, 0, ULP_MAX]
+
+
+policies = st.one_of(
+    st.just(Policy("exact")),
+    st.just(Policy("ignore")),
+    st.builds(Policy, st.just("ulp"), ulp=st.integers(0, 10**6)),
+    st.builds(
+        Policy,
+        st.just("close"),
+        rtol=st.floats(0, 1e3, allow_subnormal=True),
+        atol=st.floats(0, 1e3, allow_subnormal=True),
+    ),
+)
+
+
+@given(policies)
+def test_policy_text_round_trips(policy):
+    assert Policy.parse(str(policy)) == policy
+
+
+def test_policy_parse():
+    assert Policy.parse("ulp:4") == Policy("ulp", ulp=4)
+    assert Policy.parse(" close:1e-5,1e-8 ") == Policy("close", rtol=1e-5, atol=1e-8)
+    assert Policy.parse("close:1e-5") == Policy("close", rtol=1e-5)
+    assert str(Policy.parse("close:1e-5,1e-8")) == "close:1e-05,1e-08"
+    bad_texts = ["", "exactly", "ulp", "ulp:", "ulp:-1", "ulp:1.5", "close", "close:a,b"]
+    for bad in [*bad_texts, "close:1,2,3", "close:-1", "close:nan", "ignore:3", "exact:0"]:
+        with pytest.raises(ValueError, match=f"bad policy {bad!r}"):
+            Policy.parse(bad)
+
+
+def test_default_policy():
+    for name in ["train/mfu", "timing_s/gen", "perf/throughput", "train/step_time", "x/tps"]:
+        assert default_policy(name).kind == "ignore"
+    for name in ["train/loss", "train/grad_norm", "train/lr", "val/loss", "train/global_tokens"]:
+        assert default_policy(name).kind == "exact"
+
+
+def frame(data: dict[str, list[float]]) -> pd.DataFrame:
+    """Steps 1..n; every cell present, so NaN here is a logged NaN, not an absent value."""
+    n = len(next(iter(data.values())))
+    f = pd.DataFrame(data, index=pd.RangeIndex(1, n + 1, name="step"), dtype=np.float64)
+    f.attrs["present"] = f.notna() | True
+    return f
+
+
+def test_exact_nan_and_signed_zero():
+    a = frame({"x": [np.nan, 1.0, 0.0], "y": [1.0, 2.0, 3.0]})
+    b = frame({"x": [np.nan, 1.0, -0.0], "y": [1.0, np.nan, 3.0]})
+    c = compare_frames(a, b)
+    assert c.verdict == "diverged" and not c.ok
+    x, y = c.metrics["x"], c.metrics["y"]
+    assert x.status == "diverged" and x.first_divergent_step == 3 and x.exact_matches == 2
+    assert "sign of zero differs at step 3" in x.note and x.max_ulp == 0
+    assert y.status == "diverged" and y.first_divergent_step == 2 and y.max_ulp == ULP_MAX
+    assert math.isnan(y.b_value) and y.max_abs_diff == math.inf
+    assert compare_frames(a, b, {"x": "ulp:0", "y": "ignore"}).ok  # ±0 is 0 ULP apart
+
+
+def test_ulp_and_close_policies():
+    a = frame({"x": [1.0, 2.0], "y": [100.0, 1.0]})
+    b = frame({"x": [float(np.nextafter(1.0, 2.0)), 2.0], "y": [100.001, 1.0]})
+    assert not compare_frames(a, b, {"x": "exact", "y": "ignore"}).ok
+    assert compare_frames(a, b, {"x": "ulp:1", "y": "close:1e-5,0"}).ok
+    c = compare_frames(a, b, {"x": "ulp:1", "y": "close:1e-6,0"})
+    assert c.metrics["y"].status == "diverged" and c.metrics["y"].first_divergent_step == 1
+    assert c.metrics["y"].max_rel_diff == pytest.approx(1e-5, rel=1e-3)
+
+
+def test_glob_policies_and_precedence():
+    a = frame({"val/loss": [1.0], "val/acc": [0.5], "train/mfu": [0.3]})
+    b = frame({"val/loss": [2.0], "val/acc": [0.6], "train/mfu": [0.4]})
+    c = compare_frames(a, b, {"val/*": "ignore"})
+    assert c.ok and c.metrics["val/acc"].status == "ignored"
+    c = compare_frames(a, b, {"val/*": "ignore", "val/loss": "exact"})  # name beats glob
+    assert [m.name for m in c.failures] == ["val/loss"]
+    c = compare_frames(a, b, {"val/*": "ignore", "*mfu*": "close:0,0.2"})  # glob beats default
+    assert c.ok and c.metrics["train/mfu"].status == "match"
+    with pytest.raises(ValueError, match="bad policy 'ulp:x'"):
+        compare_frames(a, b, {"nothing/*": "ulp:x"})
+
+
+def test_missing_metric_and_step():
+    a = frame({"x": [1.0, 2.0, 3.0], "y": [1.0, 1.0, 1.0]})
+    b = frame({"x": [1.0, 2.0]})
+    c = compare_frames(a, b)
+    assert c.verdict == "diverged" and c.steps_only_in_a == [3]
+    assert c.metrics["y"].status == "missing" and c.metrics["y"].missing_in_b == [1, 2, 3]
+    assert c.metrics["x"].status == "missing" and c.metrics["x"].missing_in_b == [3]
+    assert c.metrics["x"].steps_compared == 2
+    assert compare_frames(a, b, allow_missing=True).verdict == "aligned"
+    b2 = frame({"x": [1.0, 2.5]})
+    assert compare_frames(a, b2, allow_missing=True).metrics["x"].status == "diverged"
+
+
+def test_present_nan_versus_absent(tmp_path):
+    """A logged NaN is a value; an absent cell is missing, though both read as NaN."""
+    pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    pa.write_text('{"step": 1, "x": NaN}\n{"event": "end", "steps": 1}\n')
+    pb.write_text('{"step": 1, "y": 1.0}\n{"event": "end", "steps": 1}\n')
+    c = compare_frames(read_metrics(pa), read_metrics(pb))
+    assert c.metrics["x"].status == "missing" and c.metrics["x"].missing_in_b == [1]
+    assert compare_frames(read_metrics(pa), read_metrics(pa)).ok
+
+
+def test_incomplete_run(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1.0}\n')
+    f = read_metrics(tmp_path)
+    with pytest.raises(IncompleteRunError, match=r"metrics\.jsonl: run is incomplete"):
+        compare_frames(f, f)
+    assert compare_frames(f, f, allow_incomplete=True).ok
+
+
+KEYS = ["train/loss", "train/grad_norm", "train/lr", "train/global_tokens",
+        "train/total_tokens(B)", "train/mfu"]  # fmt: skip
+
+
+def console_log(rows: list[dict[str, float]], reverse: bool) -> str:
+    lines = ["(TaskRunner pid=4242) INFO: starting training", "Training Progress: 0%|"]
+    for step, row in enumerate(rows, 1):
+        keys = [k for k in KEYS if k in row]
+        keys = keys[::-1] if reverse else keys
+        line = " - ".join(f"{k}:{row[k]!r}" for k in keys)
+        lines.append(f"(TaskRunner pid=4242) step:{step} - {line}")
+        if "val/loss" in row:
+            lines.append(f"(TaskRunner pid=4242) step:{step} - val/loss:{row['val/loss']!r}")
+    lines.append("(TaskRunner pid=4242) Training finished")
+    return "\n".join(lines) + "\n"
+
+
+def runs(n: int = 6) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    rng = np.random.default_rng(0)
+    a = []
+    for step in range(1, n + 1):
+        a.append(
+            {
+                "train/loss": float(rng.uniform(1, 3)),
+                "train/grad_norm": float(rng.uniform(0.1, 5)),
+                "train/lr": 1e-05 * step / n,
+                "train/global_tokens": float(step * 40960),
+                "train/total_tokens(B)": step * 40960 / 1e9,
+                "train/mfu": float(rng.uniform(0.2, 0.5)),
+            }
+        )
+    a[-1]["val/loss"] = 1.2345678901234567
+    b = [dict(row, **{"train/mfu": row["train/mfu"] * 1.1}) for row in a]
+    return a, b
+
+
+def test_headline_verl_console_logs(tmp_path):
+    rows_a, rows_b = runs()
+    pa, pb = tmp_path / "a.log", tmp_path / "b.log"
+    pa.write_text(console_log(rows_a, reverse=False))
+    pb.write_text(console_log(rows_b, reverse=True))
+    c = compare_frames(read_metrics(pa), read_metrics(pb))
+    assert c.verdict == "aligned", c.table()
+    assert c.metrics["train/mfu"].status == "ignored"
+    assert c.metrics["val/loss"].steps_compared == 1
+    assert all(m.status == "match" for n, m in c.metrics.items() if n != "train/mfu")
+
+    k = 4
+    rows_b[k - 1]["train/grad_norm"] = float(np.nextafter(rows_b[k - 1]["train/grad_norm"], 9.0))
+    pb.write_text(console_log(rows_b, reverse=True))
+    c = compare_frames(read_metrics(pa), read_metrics(pb))
+    assert c.verdict == "diverged"
+    assert [m.name for m in c.failures] == ["train/grad_norm"]
+    g = c.metrics["train/grad_norm"]
+    assert g.first_divergent_step == k and g.max_ulp == 1 and g.max_ulp_step == k
+    assert g.a_value == rows_a[k - 1]["train/grad_norm"]
+    assert g.b_value == rows_b[k - 1]["train/grad_norm"] and g.divergent_steps == 1
+
+    table = c.table()
+    first_row = table.splitlines()[2]
+    assert first_row.startswith("train/grad_norm") and f" {k} " in first_row
+    assert repr(g.a_value) in first_row and repr(g.b_value) in first_row
+    assert "diverged" in table.splitlines()[0]
+
+    text = json.dumps(c.to_dict(), allow_nan=False)
+    back = json.loads(text)
+    assert back["verdict"] == "diverged"
+    assert back["metrics"]["train/grad_norm"]["first_divergent_step"] == k
+    assert back["metrics"]["train/grad_norm"]["max_ulp"] == 1
+
+
+def test_to_dict_with_non_finite_values_is_strict_json():
+    a = frame({"x": [np.nan, np.inf, 1.0]})
+    b = frame({"x": [1.0, -np.inf, 1.0]})
+    d = compare_frames(a, b).to_dict()
+    text = json.dumps(d, allow_nan=False)
+    assert '"a_value": "nan"' in text and '"max_abs_diff": "inf"' in text
+    assert d["metrics"]["x"]["max_ulp"] == ULP_MAX
+
+
+def test_table_truncates_and_puts_failures_first():
+    data = {f"m{i:02d}": [1.0] for i in range(30)}
+    a, b = frame(data), frame(dict(data, m29=[2.0]))
+    table = compare_frames(a, b).table(max_rows=5)
+    lines = table.splitlines()
+    assert lines[2].startswith("m29") and "diverged" in lines[2]
+    assert lines[-1].startswith("... 25 more metrics")

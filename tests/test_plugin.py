@@ -1,0 +1,50 @@
+"""The pytest plugin: marker registered, assert_parity fails with a readable table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from parity import assert_parity
+
+pytest_plugins = ["pytester"]
+
+
+def _frame(values):
+    return pd.DataFrame(
+        {"train/loss": values, "train/mfu": [0.1] * len(values)},
+        index=pd.Index(range(1, len(values) + 1), name="step"),
+    )
+
+
+def test_assert_parity_passes_and_fails_with_a_table():
+    a = _frame([3.0, 2.5, 2.0])
+    assert assert_parity(a, _frame([3.0, 2.5, 2.0])).verdict == "aligned"
+    b = _frame([3.0, float(np.nextafter(2.5, 3.0)), 2.0])
+    with pytest.raises(pytest.fail.Exception) as info:
+        assert_parity(a, b)
+    message = str(info.value)
+    assert "diverged" in message and "train/loss" in message
+    row = next(line for line in message.splitlines() if line.startswith("train/loss"))
+    assert " 2 " in row  # first divergent step
+
+
+def test_marker_selects_parity_tests(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.parity
+        def test_slow():
+            pass
+
+        def test_fast():
+            pass
+        """
+    )
+    result = pytester.runpytest("-m", "parity", "--strict-markers")
+    result.assert_outcomes(passed=1, deselected=1)
+    result = pytester.runpytest("-m", "not parity", "--strict-markers")
+    result.assert_outcomes(passed=1, deselected=1)
+    assert "--parity-keep-runs" in "".join(pytester.runpytest("--help").outlines)

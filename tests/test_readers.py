@@ -1,0 +1,406 @@
+"""Readers: every format round-trips float64 bit for bit, and every bad file is a MetricsError."""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parity.readers import (
+    _STEP_LINE,
+    FORMATS,
+    IncompleteRunError,
+    MetricsError,
+    _console_fast,
+    _console_slow,
+    present_mask,
+    read_metrics,
+    write_metrics,
+)
+
+SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+EDGES = [0.0, -0.0, 5e-324, -5e-324, 1.7976931348623157e308, -math.inf, math.inf, math.nan]
+floats = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True) | st.sampled_from(
+    EDGES
+)
+KEYS = [
+    "train/loss",
+    "train/grad_norm",
+    "train/lr",
+    "train/global_tokens",
+    "train/total_tokens(B)",
+    "val/loss",
+    "a.b<c>",
+    "critic/score/mean@1",
+    "ключ",
+]
+keys = st.sampled_from(KEYS) | st.text(
+    st.characters(blacklist_categories=("Z", "C")),
+    min_size=1,
+    max_size=10,
+).filter(lambda k: k not in ("step", "_meta", "event"))
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    nan = np.isnan(a)
+    return bool(
+        (nan == np.isnan(b)).all() and (a[~nan].view(np.uint64) == b[~nan].view(np.uint64)).all()
+    )
+
+
+def assert_same_frame(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    assert list(got.columns) == list(want.columns)
+    assert got.index.name == "step" and got.index.dtype == np.int64
+    assert list(got.index) == list(want.index)
+    assert (got.dtypes == np.float64).all()
+    assert (present_mask(got).to_numpy() == present_mask(want).to_numpy()).all()
+    assert same_bits(got.to_numpy(), want.to_numpy())
+
+
+@st.composite
+def frames(draw):
+    """A canonical frame with attrs["present"]; every step and every metric has a cell."""
+    names = sorted(draw(st.sets(keys, min_size=1, max_size=5)))
+    steps = sorted(draw(st.sets(st.integers(0, 2**40), min_size=1, max_size=6)))
+    values = np.array(
+        draw(st.lists(floats, min_size=len(steps) * len(names), max_size=len(steps) * len(names)))
+    ).reshape(len(steps), len(names))
+    present = np.array(
+        draw(st.lists(st.booleans(), min_size=values.size, max_size=values.size))
+    ).reshape(values.shape)
+    present[np.arange(len(steps)), draw(st.integers(0, len(names) - 1))] = True
+    present[draw(st.integers(0, len(steps) - 1)), np.arange(len(names))] = True
+    values[~present] = np.nan
+    index = pd.Index(steps, dtype=np.int64, name="step")
+    frame = pd.DataFrame(values, index=index, columns=names)
+    frame.attrs["present"] = pd.DataFrame(present, index=index, columns=names)
+    return frame
+
+
+@SETTINGS
+@given(frame=frames(), fmt=st.sampled_from(FORMATS))
+def test_round_trip_every_format(tmp_path, frame, fmt):
+    path = tmp_path / f"m.{fmt}"
+    write_metrics(frame, path, fmt)
+    got = read_metrics(path, fmt)
+    assert_same_frame(got, frame)
+    assert got.attrs["format"] == fmt and got.attrs["source"] == str(path)
+    assert got.attrs["complete"] is (True if fmt == "jsonl" else None)
+    if fmt == "verl-console":  # the vectorised and the line-by-line reader agree
+        slow, slow_present = _console_slow(path.read_text(), path)
+        slow.attrs["present"] = slow_present
+        assert_same_frame(slow, got)
+
+
+NOISE = [
+    "INFO 2025-01-01 12:00:00 starting trainer",
+    "(TaskRunner pid=7) Training Progress:  10%|#         | 1/10 [00:01<00:09]",
+    "Traceback (most recent call last):\tnot a step line",
+    "my_step:3 - x:1",
+    "step:abc - x:1",
+    "{'train/loss': 0.5}",
+    "",
+    "   ",
+]
+PREFIXES = ["", "(TaskRunner pid=123) ", "\x1b[36m(TaskRunner pid=9)\x1b[0m ", "INFO 12:00 "]
+
+
+@SETTINGS
+@given(frame=frames(), seed=st.integers(0, 2**32 - 1))
+def test_console_hand_written_lines(tmp_path, frame, seed):
+    """Keys shuffled per line, prefixes, noise between lines, a step split over two lines."""
+    rng = random.Random(seed)
+    present = frame.attrs["present"]
+    lines = []
+    for step, row in frame.iterrows():
+        items = [(k, v) for k, v in row.items() if present.at[step, k]]
+        rng.shuffle(items)
+        cut = rng.randint(1, len(items))
+        for part in (items[:cut], items[cut:]):
+            if part:
+                body = " - ".join(f"{k}:{v!r}" for k, v in part)
+                lines.append(f"{rng.choice(PREFIXES)}step:{step} - {body}")
+            lines.extend(rng.sample(NOISE, rng.randint(0, 2)))
+    path = tmp_path / "console.log"
+    path.write_text("\n".join(rng.sample(NOISE, 2) + lines) + rng.choice(["", "\n"]))
+    got = read_metrics(path)
+    assert got.attrs["format"] == "verl-console" and got.attrs["complete"] is None
+    assert_same_frame(got, frame)
+
+
+def test_console_repeated_value_is_fine_conflict_is_not(tmp_path):
+    path = tmp_path / "c.log"
+    path.write_text("step:1 - a:0.5 - b:1\nnoise\nstep:1 - a:0.5\n")
+    assert read_metrics(path).loc[1, "a"] == 0.5
+    path.write_text("step:1 - a:0.5 - b:1\nnoise\nstep:1 - a:0.5000000000000001\n")
+    with pytest.raises(MetricsError, match=r"c\.log:3: step 1: 'a' is 0\.5000000000000001 here"):
+        read_metrics(path)
+    path.write_text("step:2 - a:0.0 - a:-0.0\n")  # bits differ
+    with pytest.raises(MetricsError, match=r"c\.log:1: step 2: 'a'"):
+        read_metrics(path)
+
+
+def test_console_values_and_keys(tmp_path):
+    path = tmp_path / "c.log"
+    path.write_text(
+        "step:0 - train/total_tokens(B):0.001 - x:nan - y:-inf - z:inf - w:-0.0 - n:7 - k:v:2\n"
+    )
+    f = read_metrics(path)
+    assert f.loc[0, "train/total_tokens(B)"] == 0.001 and f.loc[0, "n"] == 7.0
+    assert math.isnan(f.loc[0, "x"]) and present_mask(f).loc[0, "x"]
+    assert f.loc[0, "y"] == -math.inf and f.loc[0, "z"] == math.inf
+    assert math.copysign(1, f.loc[0, "w"]) == -1
+    assert f.loc[0, "k:v"] == 2.0  # the key is everything before the last ':'
+
+
+decimal = st.from_regex(r"[+-]?[0-9]{1,25}(\.[0-9]{0,25})?([eE][+-]?[0-9]{1,3})?", fullmatch=True)
+
+
+@SETTINGS
+@given(values=st.lists(decimal | st.sampled_from(["nan", "inf", "-inf", "1e-400"]), min_size=1))
+def test_console_decimals_parse_like_python_float(tmp_path, values):
+    """pandas' C float parser (the fast path) must round exactly like float()."""
+    path = tmp_path / "c.log"
+    path.write_text("".join(f"step:{i} - v:{v}\n" for i, v in enumerate(values)))
+    got = read_metrics(path)["v"].to_numpy()
+    assert same_bits(got, np.array([float(v) for v in values]))
+
+
+KEY = ["a", "b", "a:b", "-", "step", "", "a b", "é", "x\t", "nan", "1", "True", ":", "k-"]
+VAL = ["1", "1.5", "-0.0", "nan", "NaN", "-nan", "inf", "-inf", "Infinity", "true", "FALSE", "1e5"]
+VAL += ["1e", "", " 1", "1 ", "1_0", "0x1", "+1", ".5", "5.", "- 5", "1\t", "0", "e", "١", "--1"]
+SEP = [" - "] * 8 + [" -  ", "  - ", " -", "- ", " - - "]
+
+
+@st.composite
+def near_valid_line(draw):
+    """verl console lines with plausible mistakes in keys, values, separators and steps."""
+    tokens = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(KEY),
+                st.sampled_from([":", ":", "::", "", ": "]),
+                st.sampled_from(VAL),
+            ).map("".join),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    body = tokens[0] + "".join(draw(st.sampled_from(SEP)) + t for t in tokens[1:])
+    prefix = draw(st.sampled_from(["", "x ", "(p) ", "y", "\t"]))
+    step = draw(st.sampled_from(["0", "1", "007", "99999999999999999999", "9007199254740993"]))
+    end = draw(st.sampled_from(["", "", " - ", " ", "\t"]))
+    return f"{prefix}step:{step} - {body}{end}"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lines=st.lists(
+        near_valid_line() | st.sampled_from(["noise", "", "step:x - a:1"]), min_size=1, max_size=5
+    )
+)
+def test_console_fast_path_never_disagrees(lines):
+    """The fast path either declines (None) or gives exactly the line-by-line reader's frame."""
+    text = "\n".join(lines)
+    fast = _console_fast(text.encode())
+    try:
+        slow = _console_slow(text, Path("x.log"))
+    except MetricsError:
+        assert fast is None
+        return
+    if fast is not None:
+        fast[0].attrs["present"], slow[0].attrs["present"] = fast[1], slow[1]
+        assert_same_frame(fast[0], slow[0])
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_jsonl_ours(tmp_path):
+    path = _write(
+        tmp_path,
+        "metrics.jsonl",
+        '{"step": 0, "val/loss": 2.5}\n'
+        '{"step": 1, "train/loss": 0.123, "train/lr": 1e-05, "_meta": {"epoch": 0}}\n'
+        '{"step": 2, "train/loss": NaN, "train/lr": Infinity, "n": 3}\n'
+        '{"event": "end", "steps": 2}\n',
+    )
+    f = read_metrics(tmp_path)  # a run folder
+    assert f.attrs["complete"] is True and f.attrs["format"] == "jsonl"
+    assert list(f.columns) == ["n", "train/loss", "train/lr", "val/loss"]
+    assert list(f.index) == [0, 1, 2]
+    assert f.loc[1, "train/lr"] == 1e-05 and f.loc[2, "n"] == 3.0
+    assert present_mask(f).loc[2, "train/loss"] and not present_mask(f).loc[0, "train/loss"]
+    path.write_text('{"step": 0, "a": 1.0}\n')
+    assert read_metrics(path).attrs["complete"] is False
+
+
+def test_detection(tmp_path):
+    cases = {
+        "jsonl": '{"step": 1, "a": 1.0}\n',
+        "verl-jsonl": '{"step": 1, "data": {"a": 1.0}}\n',
+        "verl-console": "noise\n(TaskRunner pid=1) step:1 - a:1.0\n",
+        "csv": "step,a\n1,1.0\n",
+    }
+    for fmt, text in cases.items():
+        name = "m.csv" if fmt == "csv" else "m.log"
+        assert read_metrics(_write(tmp_path, name, text)).attrs["format"] == fmt
+    with pytest.raises(MetricsError, match=r"m\.log: unknown format"):
+        read_metrics(_write(tmp_path, "m.log", "hello\nworld\n"))
+
+
+ERRORS = [
+    ("m.jsonl", None, '{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.', r":2: .*truncated"),
+    ("m.jsonl", None, '{"step": 1, "a": 1.0}\n{"step": 2, "a": }\n', r":2: not valid JSON"),
+    (
+        "m.jsonl",
+        None,
+        '{"step": 1, "a": 1.0}\n{"step": 2, "a": "abc"}\n',
+        r":2: value of 'a' is not numeric: 'abc'",
+    ),
+    ("m.jsonl", None, '{"step": 1, "a": true}\n', r":1: value of 'a' is not numeric"),
+    ("m.jsonl", None, '{"step": 1, "a": null}\n', r":1: value of 'a' is not numeric"),
+    ("m.jsonl", None, '{"step": 5, "a": 1}\n\n{"step": 5, "a": 1}\n', r":3: duplicate step 5"),
+    ("m.jsonl", None, '{"step": 1, "a": 1, "a": 2}\n', r":1: key 'a' given twice"),
+    ("m.jsonl", None, '{"step": -1, "a": 1}\n', r":1: step must be a non-negative integer"),
+    ("m.jsonl", None, '{"step": 1.0, "a": 1}\n', r":1: step must be a non-negative integer"),
+    ("m.jsonl", None, '{"a": 1}\n', r":1: record has no 'step'"),
+    (
+        "m.jsonl",
+        None,
+        '{"event": "end", "steps": 1}\n{"step": 2, "a": 1}\n',
+        r":2: record after the end",
+    ),
+    ("m.jsonl", None, '{"event": "start"}\n', r":1: unknown event"),
+    ("m.jsonl", None, "[1, 2]\n", r":1: record is not a JSON object"),
+    (
+        "m.jsonl",
+        "verl-jsonl",
+        '{"step": 1, "data": {"a": 1}}\n{"step": 1, "data": {"a": 1}}\n',
+        r":2: duplicate step 1",
+    ),
+    (
+        "m.jsonl",
+        "verl-jsonl",
+        '{"step": 1, "data": {"a": "x"}}\n',
+        r":1: value of 'a' is not numeric",
+    ),
+    ("m.jsonl", "verl-jsonl", '{"step": 1, "data": {}, "t": 3}\n', r":1: unexpected key 't'"),
+    (
+        "c.log",
+        None,
+        "x\nstep:1 - a:1.0\nstep:2 - a:abc\n",
+        r":3: value of 'a' is not numeric: 'abc'",
+    ),
+    ("c.log", None, "step:1 - a:1.0 - oops\n", r":1: step 1: malformed metric 'oops'"),
+    ("c.log", None, "step:1 - a:1.0 - \n", r":1: step 1: malformed metric ''"),
+    ("c.log", None, "step:1 - a b:1.0\n", r":1: step 1: malformed metric"),
+    ("c.log", None, "step:1 - step:1.0\n", r":1: step 1: a metric may not be named 'step'"),
+    ("m.csv", None, "step,a\n1,1.0\n2,x\n", r":3: value of 'a' is not numeric: 'x'"),
+    ("m.csv", None, "step,a\n1,1.0\n1,1.0\n", r":3: duplicate step 1"),
+    ("m.csv", None, "step,a\n1,1.0,3\n", r":2: expected 2 fields, got 3"),
+    ("m.csv", None, "a,b\n1,1.0\n", r":1: header needs exactly one 'step' column"),
+    ("m.csv", None, "step,a\n-1,1.0\n", r":2: step must be a non-negative integer"),
+]
+
+
+@pytest.mark.parametrize(("name", "fmt", "text", "pattern"), ERRORS)
+def test_errors_name_file_and_line(tmp_path, name, fmt, text, pattern):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(MetricsError, match=pattern) as info:
+        read_metrics(path, fmt)
+    assert str(info.value).startswith(f"{path}:")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", [None, *FORMATS])
+def test_empty_file(tmp_path, fmt):
+    path = _write(tmp_path, "m.jsonl", "\n\n")
+    with pytest.raises(MetricsError, match=r"m\.jsonl: no metrics records"):
+        read_metrics(path, fmt)
+
+
+def test_bom_and_crlf(tmp_path):
+    for fmt, text in [
+        ("verl-console", "step:1 - a:1.5\r\n"),
+        ("jsonl", '{"step": 1, "a": 1.5}\r\n'),
+    ]:
+        path = tmp_path / "m.txt"
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        f = read_metrics(path)
+        assert f.attrs["format"] == fmt and f.loc[1, "a"] == 1.5
+
+
+def test_invalid_utf8(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1, "a": 1.0}\n\xff\n')
+    with pytest.raises(MetricsError, match=r"m\.jsonl:2: not valid UTF-8"):
+        read_metrics(path)
+
+
+def test_missing_file_and_folder(tmp_path):
+    with pytest.raises(MetricsError, match="folder has no metrics.jsonl"):
+        read_metrics(tmp_path)
+    with pytest.raises(MetricsError, match="cannot read"):
+        read_metrics(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="unknown metrics format"):
+        read_metrics(_write(tmp_path, "m.jsonl", "{}\n"), "yaml")
+    assert issubclass(IncompleteRunError, MetricsError)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.binary(max_size=200)
+    | st.text(st.sampled_from(list('{}[]":,. -0123456789aestpNIn\n\t\r')), max_size=200).map(
+        str.encode
+    ),
+    fmt=st.sampled_from([None, *FORMATS]),
+)
+def test_fuzz_only_metrics_errors(tmp_path, data, fmt):
+    path = tmp_path / "fuzz.txt"
+    path.write_bytes(data)
+    try:
+        frame = read_metrics(path, fmt)
+    except MetricsError:
+        return
+    assert frame.index.is_monotonic_increasing and frame.index.is_unique
+
+
+def test_write_is_atomic_and_keeps_nan_presence(tmp_path):
+    frame = pd.DataFrame(
+        {"a": [np.nan, 1.0], "b": [2.0, np.nan]}, index=pd.Index([1, 2], name="step")
+    )
+    frame.attrs["present"] = pd.DataFrame(
+        {"a": [True, True], "b": [True, False]}, index=frame.index
+    )
+    path = tmp_path / "out" / "m.jsonl"
+    write_metrics(frame, path, "jsonl")
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[1]) == {"step": 2, "a": 1.0}
+    assert lines[0] == '{"step": 1, "a": NaN, "b": 2.0}'
+    assert json.loads(lines[-1]) == {"event": "end", "steps": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["m.jsonl"]
+    frame.attrs["complete"] = False
+    write_metrics(frame, path, "jsonl")
+    assert read_metrics(path).attrs["complete"] is False
+    with pytest.raises(MetricsError, match="bad metric name"):
+        write_metrics(frame.rename(columns={"a": "a b"}), tmp_path / "c.log", "verl-console")
+
+
+def test_step_line_regex_needs_whitespace_before_step():
+    assert _STEP_LINE.search("(pid=1) step:3 - a:1")[1] == "3"
+    assert _STEP_LINE.search("global_step:3 - a:1") is None
