@@ -1,0 +1,433 @@
+"""Reproducibility reports of two runs: report.md for a PR comment, report.html for a browser.
+
+Both say the verdict, where each metric first diverged, how the two environments differ and how
+to rerun each side. Every string from a log, metric file or manifest is untrusted text: it is
+HTML-escaped in both files (GitHub renders HTML inside markdown) and never parsed as mathtext
+by matplotlib. The HTML is self-contained (inline CSS, plots as PNG data URIs) and carries a
+content security policy that forbids scripts, so it can be opened from any CI artifact.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from parity.compare import ULP_MAX, Comparison, MetricResult, Policy, compare_frames, ulp_distance
+from parity.files import write_text_atomic
+from parity.readers import present_mask, read_metrics
+
+__all__ = ["Report", "Side", "build_report", "load_side", "write_report"]
+
+MAX_PLOTS = 30  # metrics plotted in the HTML, failures first: keeps the file and the time small
+_ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
+# manifest keys shown first, in this order; the rest (but argv) follow, config.* only when differ
+_FIRST = (
+    "git_revision",
+    "environment.python",
+    "environment.torch",
+    "environment.transformers",
+    "environment.cuda",
+    "environment.gpu",
+    "environment.platform",
+    "environment.machine",
+    "environment.cpu_isa",
+    "device",
+    "backend",
+    "world_size",
+)
+_ABSENT = "(absent)"
+
+
+@dataclass
+class Side:
+    """One side of the report: its metrics and whatever its run folder says about it."""
+
+    label: str
+    source: Path
+    frame: pd.DataFrame
+    run_dir: Path | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest_error: str = ""
+    commands: list[tuple[str, str]] = field(default_factory=list)  # (what, shell command)
+
+
+def load_side(path: str | os.PathLike[str], label: str, fmt: str | None = None) -> Side:
+    """Read a run folder or metrics file; a file's folder counts as its run folder when it has a
+    manifest.json or launcher.log (so runs/x/metrics.jsonl finds runs/x/manifest.json)."""
+    p = Path(path)
+    frame = read_metrics(p, fmt)
+    run_dir: Path | None = p
+    if not p.is_dir():
+        near = [p.parent / n for n in ("manifest.json", "launcher.log")]
+        run_dir = p.parent if any(f.is_file() for f in near) else None
+    side = Side(label, Path(frame.attrs.get("source", p)), frame, run_dir)
+    if run_dir is None:
+        return side
+    manifest = run_dir / "manifest.json"
+    if manifest.is_file():
+        try:
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            side.manifest = data
+        except (OSError, ValueError) as e:
+            side.manifest_error = f"{manifest}: unreadable ({e})"
+    launcher = run_dir / "launcher.log"
+    if launcher.is_file():
+        with open(launcher, encoding="utf-8", errors="replace") as f:
+            first = f.readline().rstrip("\n")
+        if first.startswith("# "):
+            side.commands.append(("launcher (torchrun)", first[2:]))
+    argv = side.manifest.get("environment", {}).get("argv")
+    if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
+        side.commands.append(("job sys.argv on rank 0, under torchrun", shlex.join(argv)))
+    return side
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(obj, dict):
+        out: dict[str, str] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    text = obj if isinstance(obj, str) else json.dumps(obj, sort_keys=True, default=str)
+    return {prefix[:-1]: text}
+
+
+def fingerprint_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(key, a value, b value) of both manifests, flattened; config keys only where they differ
+    (run paths and trainer names always differ and are what a reader looks for)."""
+    fa, fb = _flatten(dict(a)), _flatten(dict(b))
+    for f in (fa, fb):
+        f.pop("environment.argv", None)
+    keys = [k for k in _FIRST if k in fa or k in fb]
+    keys += sorted((set(fa) | set(fb)) - set(keys), key=lambda k: (k.startswith("config."), k))
+    rows = []
+    for k in keys:
+        va, vb = fa.get(k, _ABSENT), fb.get(k, _ABSENT)
+        if k.startswith("config.") and va == vb:
+            continue
+        rows.append((k, va, vb))
+    return rows
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, int) and v == ULP_MAX:
+        return "max"
+    return repr(v)
+
+
+def _rows(comparison: Comparison) -> list[MetricResult]:
+    return sorted(comparison.metrics.values(), key=lambda m: (m.ok, _ORDER[m.status], m.name))
+
+
+def first_divergence(comparison: Comparison) -> MetricResult | None:
+    """The diverged metric with the earliest first divergent step (ties: by name)."""
+    bad = [m for m in comparison.metrics.values() if m.first_divergent_step is not None]
+    return min(bad, key=lambda m: (m.first_divergent_step, m.name), default=None)
+
+
+_COLUMNS = (
+    "metric",
+    "status",
+    "policy",
+    "steps compared",
+    "first divergent step",
+    "a value there",
+    "b value there",
+    "max ULP",
+    "max abs diff",
+    "max rel diff",
+    "note",
+)
+
+
+def _cells(m: MetricResult) -> list[str]:
+    return [
+        m.name,
+        m.status,
+        m.policy,
+        str(m.steps_compared),
+        _num(m.first_divergent_step),
+        _num(m.a_value),
+        _num(m.b_value),
+        _num(m.max_ulp),
+        _num(m.max_abs_diff),
+        _num(m.max_rel_diff),
+        m.note,
+    ]
+
+
+def _per_step(a: pd.DataFrame, b: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Steps, both values (NaN where absent), abs diff and ULP where both sides have the cell."""
+    steps = a.index.union(b.index).sort_values()
+    cols = {}
+    for side, frame in (("a", a), ("b", b)):
+        if name in frame.columns:
+            vals = frame[name].reindex(steps).to_numpy(dtype=np.float64)
+            has = present_mask(frame)[name].reindex(steps, fill_value=False).to_numpy(dtype=bool)
+        else:
+            vals, has = np.full(len(steps), np.nan), np.zeros(len(steps), dtype=bool)
+        cols[side], cols[f"has_{side}"] = vals, has
+    both = cols["has_a"] & cols["has_b"]
+    with np.errstate(invalid="ignore", over="ignore"):
+        absd = np.where(both, np.abs(cols["a"] - cols["b"]), np.nan)
+    ulp = np.where(both, ulp_distance(cols["a"], cols["b"]).astype(np.float64), np.nan)
+    return pd.DataFrame({"a": cols["a"], "b": cols["b"], "abs": absd, "ulp": ulp}, index=steps)
+
+
+def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
+    """One metric as a PNG data URI: A and B overlaid, and |a-b| and ULP per step (log)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    d = _per_step(a, b, m.name)
+    fig = Figure(figsize=(10, 3), dpi=80, layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2, sharex=True)
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.plot(d.index, d["a"], "-o", ms=3, label="A")
+    left.plot(d.index, d["b"], "--x", ms=4, label="B")
+    left.set_title(m.name, parse_math=False, loc="left", fontsize=10)
+    left.set_xlabel("step")
+    left.legend(loc="best", fontsize=8)
+    right.set_title("per-step difference", loc="left", fontsize=10)
+    right.set_xlabel("step")
+    absd, ulp = d["abs"].where(d["abs"] > 0), d["ulp"].where(d["ulp"] > 0)
+    if absd.notna().any() or ulp.notna().any():  # log axes: exact steps (0) are left out
+        twin = right.twinx()
+        right.plot(d.index, absd, "-o", ms=3, color="C0")
+        twin.plot(d.index, ulp, "--s", ms=3, color="C3")
+        right.set_ylabel("|a - b|", color="C0")
+        twin.set_ylabel("ULP", color="C3")
+        for ax, col in ((right, absd), (twin, ulp)):
+            if col.notna().any():
+                ax.set_yscale("log")
+    else:
+        right.text(0.5, 0.5, "bitwise equal at every step", ha="center", transform=right.transAxes)
+        right.set_yticks([])
+    if m.first_divergent_step is not None:
+        for ax in (left, right):
+            ax.axvline(m.first_divergent_step, color="red", lw=1, alpha=0.6)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@dataclass
+class Report:
+    """A comparison of two sides plus everything needed to render it."""
+
+    comparison: Comparison
+    a: Side
+    b: Side
+    notes: list[str] = field(default_factory=list)
+
+    def headline(self) -> str:
+        c = self.comparison
+        counts = {s: sum(m.status == s for m in c.metrics.values()) for s in _ORDER}
+        text = f"parity: {c.verdict} (" + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        return text + ")"
+
+    def first_line(self) -> str:
+        first = first_divergence(self.comparison)
+        if first is None:
+            return ""
+        return (
+            f"first divergence: step {first.first_divergent_step}, {first.name} "
+            f"(a={_num(first.a_value)}, b={_num(first.b_value)})"
+        )
+
+    def _extra_steps(self) -> list[str]:
+        c = self.comparison
+        return [
+            f"steps only in {s}: {', '.join(map(str, steps[:20]))}"
+            + (f" ... ({len(steps)} in all)" if len(steps) > 20 else "")
+            for s, steps in (("a", c.steps_only_in_a), ("b", c.steps_only_in_b))
+            if steps
+        ]
+
+    def _sides_info(self) -> list[str]:
+        return [f"{s.label}: {s.source}" for s in (self.a, self.b)]
+
+    def markdown(self) -> str:
+        """A PR comment / CI step summary: every untrusted string escaped."""
+
+        def md(text: str) -> str:
+            return html.escape(text).replace("|", "\\|").replace("\n", " ")
+
+        icon = "✅" if self.comparison.ok else "❌"
+        out = [f"## {icon} {md(self.headline())}", ""]
+        if self.first_line():
+            out += [f"**{md(self.first_line())}**", ""]
+        for line in [*self._extra_steps(), *self.notes]:
+            out += [md(line), ""]
+        out += [f"- {md(line)}" for line in self._sides_info()] + [""]
+        out += ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+        out += ["| " + " | ".join(md(c) for c in _cells(m)) + " |" for m in _rows(self.comparison)]
+        out += ["", "### Environment fingerprints", ""]
+        rows = fingerprint_rows(self.a.manifest, self.b.manifest)
+        errors = [s.manifest_error for s in (self.a, self.b) if s.manifest_error]
+        out += [md(e) for e in errors]
+        if rows:
+            out += ["| | key | A | B |", "|---|---|---|---|"]
+            for key, va, vb in rows:
+                mark = "≠" if va != vb else ""
+                out.append(f"| {mark} | {md(key)} | {md(va)} | {md(vb)} |")
+        elif not errors:
+            out.append("no manifest.json on either side")
+        out += ["", "### Reproduce", ""]
+        for side in (self.a, self.b):
+            out.append(f"{md(side.label)}:")
+            out.append("")
+            text = "\n".join(cmd for _, cmd in side.commands) or "# no launcher.log or manifest"
+            fence = "`" * max(3, _longest_run(text, "`") + 1)
+            out += [f"{fence}sh", text, fence, ""]
+        return "\n".join(out)
+
+    def html(self) -> str:
+        """One self-contained page; escape() is applied to every string that is not ours."""
+        e = html.escape
+        c = self.comparison
+        first = first_divergence(c)
+        body = [f"<h1 class='{e(c.verdict)}'>{e(self.headline())}</h1>"]
+        if first is not None:
+            body.append(f"<p class='first'><a href='#first-divergence'>{e(self.first_line())}</a>")
+        body += [f"<p>{e(line)}</p>" for line in [*self._extra_steps(), *self.notes]]
+        body.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in self._sides_info()) + "</ul>")
+
+        body.append("<h2>Verdict per metric</h2><table class='verdict'><thead><tr>")
+        body.append("".join(f"<th>{e(h)}</th>" for h in _COLUMNS) + "</tr></thead><tbody>")
+        for m in _rows(c):
+            cells = [f"<td>{e(x)}</td>" for x in _cells(m)]
+            if m.first_divergent_step is not None:
+                cells[4] = f"<td class='hit'>{e(_num(m.first_divergent_step))}</td>"
+            anchor = " id='first-divergence'" if m is first else ""
+            body.append(f"<tr class='{e(m.status)}'{anchor}>{''.join(cells)}</tr>")
+        body.append("</tbody></table>")
+
+        body.append("<h2>Curves</h2>")
+        plotted = [m for m in _rows(c) if m.status != "ignored"]
+        for m in plotted[:MAX_PLOTS]:
+            uri = _plot(self.a.frame, self.b.frame, m)
+            body.append(f'<h3>{e(m.name)}</h3><img src="{uri}" alt="{e(m.name)}">')
+        if len(plotted) > MAX_PLOTS:
+            body.append(f"<p>{len(plotted) - MAX_PLOTS} more metrics not plotted</p>")
+
+        body.append("<h2>Environment fingerprints</h2>")
+        body += [f"<p>{e(s.manifest_error)}</p>" for s in (self.a, self.b) if s.manifest_error]
+        rows = fingerprint_rows(self.a.manifest, self.b.manifest)
+        if rows:
+            body.append(
+                f"<table class='env'><tr><th></th><th>key</th><th>A: {e(self.a.label)}</th>"
+                f"<th>B: {e(self.b.label)}</th></tr>"
+            )
+            for key, va, vb in rows:
+                differs = va != vb
+                body.append(
+                    f"<tr class='{'differs' if differs else 'same'}'><td>{'≠' if differs else ''}"
+                    f"</td><td>{e(key)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>"
+                )
+            body.append("</table>")
+        else:
+            body.append("<p>no manifest.json on either side</p>")
+
+        body.append("<h2>Reproduce</h2>")
+        for side in (self.a, self.b):
+            body.append(f"<h3>{e(side.label)}</h3>")
+            if not side.commands:
+                body.append("<p>no launcher.log or manifest</p>")
+            for what, cmd in side.commands:
+                body.append(f"<p>{e(what)}</p><pre>{e(cmd)}</pre>")
+        return _PAGE.format(title=e(self.headline()), body="\n".join(body))
+
+    def write(self, out_dir: str | os.PathLike[str]) -> Path:
+        """report.md and report.html into out_dir (atomically); returns report.md's path."""
+        out = Path(out_dir)
+        write_text_atomic(out / "report.html", self.html())
+        write_text_atomic(out / "report.md", self.markdown())
+        return out / "report.md"
+
+
+def _longest_run(text: str, ch: str) -> int:
+    best = run = 0
+    for c in text:
+        run = run + 1 if c == ch else 0
+        best = max(best, run)
+    return best
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy"
+ content="default-src 'none'; img-src data:; style-src 'unsafe-inline'">
+<title>{title}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+h1.aligned {{ color: #1a7f37; }} h1.diverged {{ color: #cf222e; }}
+table {{ border-collapse: collapse; font-size: 13px; margin-bottom: 1em; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: left; vertical-align: top; }}
+td {{ font-family: monospace; overflow-wrap: break-word; }}
+tr.diverged td, tr.missing td {{ background: #ffebe9; }}
+tr#first-divergence td {{ background: #ffc1ba; font-weight: bold; }}
+td.hit {{ outline: 2px solid #cf222e; }}
+tr.ignored td {{ color: #888; }}
+tr.differs td {{ background: #fff8c5; }}
+pre {{ background: #f6f8fa; padding: 8px; white-space: pre-wrap; word-break: break-all; }}
+img {{ max-width: 100%; }}
+</style></head>
+<body>
+{body}
+</body></html>
+"""
+
+
+def build_report(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    policies: Mapping[str, Policy | str] | None = None,
+    *,
+    labels: Sequence[str] = ("A", "B"),
+    notes: Sequence[str] = (),
+    fmt: str | None = None,
+    allow_missing: bool = False,
+    allow_incomplete: bool = False,
+) -> Report:
+    """Read both sides and compare them (raises MetricsError / IncompleteRunError like compare)."""
+    side_a, side_b = load_side(a, labels[0], fmt), load_side(b, labels[1], fmt)
+    comparison = compare_frames(
+        side_a.frame,
+        side_b.frame,
+        policies,
+        allow_missing=allow_missing,
+        allow_incomplete=allow_incomplete,
+    )
+    return Report(comparison, side_a, side_b, list(notes))
+
+
+def write_report(
+    a_dir_or_file: str | os.PathLike[str],
+    b_dir_or_file: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    policies: Mapping[str, Policy | str] | None = None,
+    **kwargs: Any,
+) -> Path:
+    """Compare two runs and write report.md and report.html; returns report.md's path.
+
+    kwargs go to build_report (labels, notes, fmt, allow_missing, allow_incomplete).
+    """
+    return build_report(a_dir_or_file, b_dir_or_file, policies, **kwargs).write(out_dir)

@@ -1,0 +1,189 @@
+"""Pre-merge refactor check: one job spec run on two git revisions, or against a golden file.
+
+The user's working tree, index, branches and HEAD are never touched: each revision is checked
+out with ``git worktree add --detach`` into a temp folder, which is removed and pruned again
+whatever happens. The job runs with cwd and PYTHONPATH at that folder, so ``-m pkg`` and script
+paths resolve to the revision's own code, not to the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from parity.compare import Comparison, Policy
+from parity.launch import LaunchError, launch
+from parity.readers import read_metrics
+from parity.report import build_report
+from parity.spec import JobSpec
+
+__all__ = [
+    "CheckResult",
+    "RevisionError",
+    "check_golden",
+    "check_revisions",
+    "resolve_revision",
+    "run_in_tree",
+    "worktree",
+]
+
+# what a previous run left in a reused run folder and must not be read as this run's output
+_JOB_FILES = ("metrics.jsonl", "manifest.json", "console.log", "launcher.log")
+
+
+class RevisionError(ValueError):
+    """A git command that failed (not a repo, unknown revision); the message is one line."""
+
+
+@dataclass
+class CheckResult:
+    comparison: Comparison
+    report: Path  # report.md; report.html lies next to it
+    a_dir: Path
+    b_dir: Path
+    a_rev: str | None  # commit ids; None for the golden file / the current tree
+    b_rev: str | None
+
+
+def _git(repo: Path, *args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), *args],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=300,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RevisionError(f"git {args[0]}: {e}") from None
+    if out.returncode != 0:
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        raise RevisionError(f"git {' '.join(args)}: {lines[-1] if lines else 'failed'}")
+    return out.stdout.strip()
+
+
+def repo_root(path: Path) -> Path:
+    return Path(_git(path, "rev-parse", "--show-toplevel"))
+
+
+def resolve_revision(repo: Path, rev: str) -> str:
+    """The commit id of ``rev``; ``--end-of-options`` keeps a rev like ``--foo`` a rev."""
+    try:
+        return _git(repo, "rev-parse", "--verify", "-q", "--end-of-options", f"{rev}^{{commit}}")
+    except RevisionError:
+        raise RevisionError(f"{repo}: unknown git revision {rev!r}") from None
+
+
+@contextmanager
+def worktree(repo: Path, commit: str) -> Iterator[Path]:
+    """A detached checkout of ``commit`` in a temp folder, removed and pruned on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-"))
+    path = tmp / commit[:12]
+    try:
+        hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch the repo
+        _git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
+        yield path
+    finally:  # cleanup errors must not hide the error that brought us here
+        if path.exists():
+            _git_unchecked(repo, "worktree", "remove", "--force", str(path))
+        shutil.rmtree(tmp, ignore_errors=True)
+        _git_unchecked(repo, "worktree", "prune")
+
+
+def _git_unchecked(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], capture_output=True, stdin=subprocess.DEVNULL)
+
+
+def run_in_tree(spec: JobSpec, tree: Path, run_dir: Path) -> Path:
+    """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError."""
+    run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in _JOB_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
+    result = launch(
+        spec.to_args(run_dir),
+        nproc=spec.nproc_per_node,
+        run_dir=run_dir,
+        timeout_s=spec.timeout_s,
+        env={"PYTHONPATH": os.pathsep.join(paths)},
+        torchrun_args=spec.torchrun_args,
+        cwd=tree,
+    )
+    if not result.ok:
+        raise LaunchError(result)
+    return run_dir
+
+
+def _dirty(repo: Path) -> bool:
+    return bool(_git(repo, "status", "--porcelain", "--untracked-files=no"))
+
+
+def check_revisions(
+    spec: JobSpec,
+    base: str,
+    head: str | None,
+    out: Path,
+    *,
+    repo: Path | None = None,
+    policies: Mapping[str, Policy | str] | None = None,
+) -> CheckResult:
+    """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
+
+    Runs go to out/base and out/head, the report to out. Raises RevisionError (bad repo or
+    revision), LaunchError (a run failed) or MetricsError (a run wrote bad metrics).
+    """
+    root = repo_root(Path(repo or Path.cwd()))
+    revs = {"base": base, "head": head or "HEAD"}
+    commits = {side: resolve_revision(root, rev) for side, rev in revs.items()}
+    notes = [f"{side} = {revs[side]} = {commits[side]}" for side in revs]
+    notes.append("each side ran in `git worktree add --detach DIR COMMIT`, cwd DIR, PYTHONPATH=DIR")
+    if head is None and _dirty(root):
+        warning = "uncommitted changes in the working tree are not part of head (HEAD)"
+        print(f"parity: warning: {warning}", file=sys.stderr)
+        notes.append(warning)
+    out = Path(out).resolve()
+    dirs = {side: out / side for side in revs}
+    for side in revs:
+        with worktree(root, commits[side]) as tree:
+            run_in_tree(spec, tree, dirs[side])
+    labels = [f"{side} {revs[side]} ({commits[side][:12]})" for side in revs]
+    report = build_report(dirs["base"], dirs["head"], policies, labels=labels, notes=notes)
+    md = report.write(out)
+    return CheckResult(
+        report.comparison, md, dirs["base"], dirs["head"], commits["base"], commits["head"]
+    )
+
+
+def check_golden(
+    spec: JobSpec,
+    golden: Path,
+    out: Path,
+    *,
+    tree: Path | None = None,
+    policies: Mapping[str, Policy | str] | None = None,
+) -> CheckResult:
+    """Run ``spec`` once on the current tree (the repo root, else cwd) and compare with a stored
+    metrics file or run folder (any readable format); the run goes to out/current."""
+    if tree is None:
+        try:
+            tree = repo_root(Path.cwd())
+        except RevisionError:
+            tree = Path.cwd()
+    golden = Path(golden)
+    read_metrics(golden)  # a bad golden file fails before the run, not after
+    out = Path(out).resolve()
+    if (out / "current") in golden.resolve().parents or golden.resolve() == out / "current":
+        raise RevisionError(f"{golden}: golden file lies in the run folder {out / 'current'}")
+    run_dir = run_in_tree(spec, Path(tree).resolve(), out / "current")
+    notes = [f"golden = {golden}", f"current = the working tree at {tree}, as it is now"]
+    report = build_report(golden, run_dir, policies, labels=["golden", "current"], notes=notes)
+    md = report.write(out)
+    return CheckResult(report.comparison, md, golden, run_dir, None, None)

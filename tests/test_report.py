@@ -1,0 +1,139 @@
+"""report.md / report.html: the verdict table, the first divergence, fingerprints, and that no
+string from a run (a metric named like a script tag) ever becomes markup."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from parity.cli import main
+from parity.report import write_report
+
+EVIL = "<script>alert(1)</script>"
+EVIL_ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
+
+
+def _run_folder(path: Path, loss_step3: float, torch: str, rev: str) -> Path:
+    path.mkdir(parents=True)
+    rows = [
+        {"step": 1, "train/loss": 2.0, EVIL: 1.0, "train/mfu": 0.1},
+        {"step": 2, "train/loss": 1.5, EVIL: 2.0, "train/mfu": 0.2},
+        {"step": 3, "train/loss": loss_step3, EVIL: 3.0, "train/mfu": 0.3},
+        {"step": 4, "train/loss": 1.0, EVIL: 4.0, "train/mfu": 0.4},
+    ]
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"event": "end", "steps": 4})]
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    manifest = {
+        "git_revision": rev,
+        "device": "cpu",
+        "backend": "gloo",
+        "world_size": 2,
+        "determinism": {"seed": 0, "deterministic_algorithms": True},
+        "data_sha256": {"train": "abc"},
+        "initial_weights_sha256": "def",
+        "environment": {
+            "torch": torch,
+            "python": "3.11.7",
+            "gpu": "<img src=x onerror=alert(2)>",
+            "argv": ["job.py", "--out", str(path), "--tag", "<b>bold</b>"],
+        },
+    }
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "launcher.log").write_text(f"# torchrun --nproc-per-node 2 job.py --out {path}\nrest\n")
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path) -> tuple[Path, Path]:
+    a = _run_folder(tmp_path / "a", 1.25, "2.13.0", "aaa111")
+    b = _run_folder(tmp_path / "b", float(np.nextafter(1.25, 2.0)), "2.13.1", "bbb222")
+    return a, b
+
+
+def test_markdown_has_verdict_table_first_divergence_and_fingerprints(runs, tmp_path):
+    md_path = write_report(*runs, tmp_path / "rep")
+    assert md_path == tmp_path / "rep" / "report.md"
+    md = md_path.read_text()
+    assert "parity: diverged" in md
+    assert "| metric | status | policy | steps compared | first divergent step |" in md
+    assert "| train/loss | diverged | exact | 4 | 3 | 1.25 | 1.2500000000000002 | 1 |" in md
+    assert "first divergence: step 3, train/loss" in md
+    assert "| ≠ | environment.torch | 2.13.0 | 2.13.1 |" in md
+    assert "| ≠ | git_revision | aaa111 | bbb222 |" in md
+    assert "|  | device | cpu | cpu |" in md
+    assert "torchrun --nproc-per-node 2 job.py --out" in md
+    assert EVIL not in md and EVIL_ESCAPED in md and "<img" not in md
+
+
+def test_html_is_self_contained_escaped_and_has_png_plots(runs, tmp_path):
+    write_report(*runs, tmp_path / "rep")
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert EVIL not in page and EVIL_ESCAPED in page
+    assert "<script" not in page.lower() and "<img src=x" not in page and "<b>bold" not in page
+    assert "http://" not in page and "https://" not in page
+    assert "id='first-divergence'" in page and "class='hit'>3<" in page
+    uris = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(uris) == 2  # train/loss and the script-named metric; mfu is ignored
+    for data in uris:
+        img = Image.open(io.BytesIO(base64.b64decode(data)))
+        img.load()
+        assert img.format == "PNG" and img.width > 300 and img.height > 100
+
+
+def test_cli_report_exit_codes(runs, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["report", str(runs[0]), str(runs[1]), "-o", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert str(out / "report.html") in printed and str(out / "report.md") in printed
+    args = ["report", str(runs[0] / "metrics.jsonl"), str(runs[1]), "-o", str(out)]
+    assert main([*args, "--policy", "train/loss=ulp:1"]) == 0
+    assert "parity: aligned" in (out / "report.md").read_text()
+    assert main(["report", str(runs[0]), str(tmp_path / "nope"), "-o", str(out)]) == 2
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _chromium(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / ('profile-' + name)}",
+    ]
+    return subprocess.run(
+        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120, check=True
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which(CHROMIUM) is None, reason=f"{CHROMIUM} not installed (apt-get install chromium)"
+)
+def test_report_renders_in_headless_chromium_without_running_scripts(runs, tmp_path):
+    write_report(*runs, tmp_path / "rep")
+    url = (tmp_path / "rep" / "report.html").as_uri()
+    dom = _chromium(tmp_path, "dom", "--dump-dom", url).stdout
+    assert 'class="verdict"' in dom and 'id="first-divergence"' in dom
+    assert EVIL_ESCAPED in dom  # shown as text
+    assert "<script" not in dom.lower() and 'onerror="' not in dom  # no such element or attribute
+    assert "&lt;img src=x onerror=alert(2)&gt;" in dom
+    shot = tmp_path / "shot.png"
+    _chromium(tmp_path, "shot", f"--screenshot={shot}", "--window-size=1280,2000", url)
+    img = Image.open(shot).convert("L")
+    assert img.size == (1280, 2000)
+    dark = sum(img.histogram()[:128])
+    assert dark > 0.005 * 1280 * 2000, "screenshot is (nearly) blank"

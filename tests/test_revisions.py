@@ -1,0 +1,194 @@
+"""`parity check`: one spec on two git revisions in throwaway worktrees, the user's repo untouched.
+
+A temp repo holds a tiny torchrun job whose second commit changes train/loss from step 3 on.
+Launches are few (about 5 s each): one base/head check shared by the tests, one aligned check
+and one golden run; failure cleanup is tested with a fake launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import parity.revisions
+from parity.cli import main
+from parity.launch import LaunchResult
+
+pytestmark = pytest.mark.parity
+
+JOB = """\
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+FACTOR = {factor}
+
+
+def main():
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "w") as f:
+            for i in range(1, 6):
+                loss = 1.0 / i * (FACTOR if i >= 3 else 1.0)
+                f.write(json.dumps({{"step": i, "train/loss": loss}}) + "\\n")
+            f.write(json.dumps({{"event": "end", "steps": 5}}) + "\\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+main()
+"""
+
+SPEC = 'task = "custom"\nworld_size = 2\ncommand = ["job.py", "--out", "{out}"]\ntimeout_s = 120\n'
+
+
+def git(repo: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def snapshot(repo: Path) -> dict[str, str]:
+    """Everything a check must leave as it was: tree and index, branches, HEAD, worktrees."""
+    return {
+        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
+        "branches": git(repo, "branch", "--list"),
+        "head": git(repo, "rev-parse", "HEAD"),
+        "symbolic": git(repo, "symbolic-ref", "HEAD"),
+        "worktrees": git(repo, "worktree", "list", "--porcelain"),
+        "job": (repo / "job.py").read_text(),
+        "notes": (repo / "notes.txt").read_text(),
+        "staged": git(repo, "diff", "--cached"),
+    }
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    """Two commits of job.py on main, a side branch, and uncommitted (staged, unstaged and
+    untracked) edits that every check must leave alone."""
+    root = tmp_path_factory.mktemp("repo")
+    git(root, "init", "-q", "-b", "main")
+    (root / "job.py").write_text(JOB.format(factor="1.0"))
+    (root / "notes.txt").write_text("one\n")
+    (root / "staged.txt").write_text("a\n")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "base")
+    git(root, "branch", "side")
+    (root / "job.py").write_text(JOB.format(factor="1.0000001"))
+    git(root, "commit", "-q", "-am", "head: scale the loss from step 3")
+    (root / "notes.txt").write_text("uncommitted edit\n")
+    (root / "staged.txt").write_text("staged edit\n")
+    git(root, "add", "staged.txt")
+    (root / "untracked.txt").write_text("new\n")
+    (root / "spec.toml").write_text(SPEC)
+    return root
+
+
+def _check(repo: Path, monkeypatch, capsys, *args: str) -> tuple[int, dict]:
+    monkeypatch.chdir(repo)
+    code = main(["check", *args, "--spec", str(repo / "spec.toml"), "--json"])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def diverged(repo, tmp_path_factory) -> tuple[int, dict, dict, dict, Path]:
+    before = snapshot(repo)
+    out = tmp_path_factory.mktemp("check")
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.chdir(repo)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main(
+                ["check", "--base", "HEAD~1", "--head", "HEAD", "--spec", "spec.toml"]
+                + ["--out", str(out), "--json"]
+            )
+    finally:
+        mp.undo()
+    return code, json.loads(buf.getvalue()), before, snapshot(repo), out
+
+
+def test_refactor_that_changes_a_number_diverges_at_step_3(diverged, repo):
+    code, result, before, after, out = diverged
+    assert code == 1
+    assert result["verdict"] == "diverged"
+    loss = result["metrics"]["train/loss"]
+    assert loss["status"] == "diverged" and loss["first_divergent_step"] == 3
+    assert loss["a_value"] == 1.0 / 3 and loss["b_value"] == 1.0 / 3 * 1.0000001
+    assert result["a_rev"] == git(repo, "rev-parse", "HEAD~1").strip()
+    assert result["b_rev"] == after["head"].strip()
+    md = (out / "report.md").read_text()
+    assert "diverged" in md and "| train/loss | diverged | exact | 5 | 3 |" in md
+    assert (out / "report.html").is_file()
+    assert (out / "base" / "metrics.jsonl").is_file() and (out / "head" / "metrics.jsonl").is_file()
+
+
+def test_check_leaves_the_repository_as_it_was(diverged):
+    _, _, before, after, _ = diverged
+    assert after == before
+    assert "notes.txt" in before["status"] and "untracked.txt" in before["status"]
+    assert len(before["worktrees"].strip().split("\n\n")) == 1
+
+
+def test_same_revision_twice_is_aligned(repo, tmp_path, monkeypatch, capsys):
+    before = snapshot(repo)
+    code, result = _check(repo, monkeypatch, capsys, "--base", "HEAD", "--out", str(tmp_path))
+    assert code == 0 and result["verdict"] == "aligned"
+    assert result["a_rev"] == result["b_rev"] == before["head"].strip()
+    assert snapshot(repo) == before
+
+
+def test_golden_file_against_the_current_tree(diverged, repo, tmp_path, monkeypatch, capsys):
+    out = diverged[4]
+    golden = tmp_path / "golden.jsonl"
+    golden.write_bytes((out / "head" / "metrics.jsonl").read_bytes())  # current job.py is head's
+    code, result = _check(
+        repo, monkeypatch, capsys, "--golden", str(golden), "--out", str(tmp_path / "g")
+    )
+    assert code == 0 and result["verdict"] == "aligned"
+    assert (tmp_path / "g" / "current" / "metrics.jsonl").is_file()
+    assert (tmp_path / "g" / "report.md").is_file()
+
+
+def test_bad_revision_is_bad_input(repo, tmp_path, monkeypatch, capsys):
+    before = snapshot(repo)
+    monkeypatch.chdir(repo)
+    args = ["check", "--base", "no-such-rev", "--spec", "spec.toml", "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "no-such-rev" in capsys.readouterr().err
+    assert main(["check", "--base=--output=x", *args[3:]]) == 2  # a flag-like rev stays a rev
+    assert not (repo / "x").exists()
+    assert snapshot(repo) == before
+
+
+@pytest.mark.parametrize("failure", ["run failed", "exception"])
+def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, capsys, failure):
+    """No real launch: the fake launcher fails inside the worktree, which must then be gone."""
+    before = snapshot(repo)
+    seen: list[Path] = []
+
+    def fake_launch(args, *, cwd, run_dir, **kwargs):
+        seen.append(Path(cwd))
+        assert (Path(cwd) / "job.py").is_file()
+        if failure == "exception":
+            raise KeyboardInterrupt
+        return LaunchResult(returncode=1, timed_out=False, duration_s=0.0, run_dir=run_dir)
+
+    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    monkeypatch.chdir(repo)
+    args = ["check", "--base", "HEAD~1", "--spec", "spec.toml", "--out", str(tmp_path)]
+    if failure == "exception":
+        with pytest.raises(KeyboardInterrupt):
+            main(args)
+    else:
+        assert main(args) == 3
+    assert len(seen) == 1 and not seen[0].exists() and not seen[0].parent.exists()
+    assert snapshot(repo) == before
