@@ -31,6 +31,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="keep the run folders of parity tests under DIR",
     )
+    group.addoption(
+        "--parity-update-golden",
+        action="store_true",
+        help="rewrite the golden baselines from this run instead of checking them",
+    )
+    group.addoption(
+        "--parity-golden-dir",
+        metavar="DIR",
+        default=None,
+        help="where golden baselines live (default: <rootdir>/fixtures/golden)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -99,3 +110,54 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> ParityRun
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
     base.mkdir(parents=True, exist_ok=True)
     return ParityRunner(base)
+
+
+class GoldenChecker:
+    """`parity_golden.check(name, run)`: compare a run with fixtures/golden/<name>, or rewrite."""
+
+    def __init__(self, golden_dir: Path, update: bool):
+        self.golden_dir, self.update = golden_dir, update
+
+    def check(self, name: str, run, policies: Mapping[str, Policy | str] | None = None):
+        from parity.golden import save_golden, verify_golden
+
+        path = self.golden_dir / name
+        if self.update:
+            save_golden(path, run.dir, spec=run.spec.to_dict())
+        result = verify_golden(path, run.dir, policies)
+        if not result.ok:
+            pytest.fail(f"{path}: {result.message()}", pytrace=False)
+        return result
+
+
+@pytest.fixture
+def parity_golden(request: pytest.FixtureRequest) -> GoldenChecker:
+    config = request.config
+    where = config.getoption("--parity-golden-dir")
+    golden_dir = Path(where).resolve() if where else config.rootpath / "fixtures" / "golden"
+    return GoldenChecker(golden_dir, config.getoption("--parity-update-golden"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Print the mutation score: every mutant test reports whether its check caught it."""
+    caught = getattr(config, "_parity_mutants", None)
+    if not caught:
+        return
+    n = sum(caught.values())
+    missed = sorted(name for name, ok in caught.items() if not ok)
+    terminalreporter.write_sep("-", "parity mutation score")
+    terminalreporter.write_line(
+        f"mutation score: {n}/{len(caught)} caught ({100.0 * n / len(caught):.0f}%)"
+        + (f"; NOT caught: {', '.join(missed)}" if missed else "")
+    )
+
+
+@pytest.fixture
+def parity_mutant_score(request: pytest.FixtureRequest):
+    """Call with (name, caught) from a mutant test; the session prints the mutation score."""
+    store = request.config.__dict__.setdefault("_parity_mutants", {})
+
+    def record(name: str, caught: bool) -> None:
+        store[name] = store.get(name, True) and caught
+
+    return record

@@ -84,8 +84,9 @@ def test_pair_command_catches_injected_bug(tmp_path):
 def test_pair_command_reports_a_failed_run(tmp_path):
     proc = _parity(
         "pair", "--world", "2", "--steps", "2", "--model", str(tmp_path / "no-model"),
-        "--out", str(tmp_path / "pair"),
+        "--out", str(tmp_path / "pair"), "--json",
     )  # fmt: skip
     assert proc.returncode == 3
+    assert json.loads(proc.stdout)["verdict"] == "failed"
     assert "run failed" in proc.stderr and "rank" in proc.stderr
     assert "not a model folder" in proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,30 +15,9 @@ def test_resume_from_saved_state_is_bitwise_equal(parity_runner):
     full = parity_runner.job(JobSpec(world_size=2, steps=20, overrides={"save_state_at": 10}))
     state = full.dir / "state_step10"
     assert (state / "dcp" / ".metadata").exists()
-    resumed = parity_runner.job(
-        JobSpec(world_size=2, steps=20, overrides={"resume": str(state)})
-    )
+    resumed = parity_runner.job(JobSpec(world_size=2, steps=20, overrides={"resume": str(state)}))
     assert list(resumed.metrics.index) == list(range(11, 21))
     assert_parity(full.metrics.loc[11:], resumed.metrics)
-
-
-@pytest.mark.parity
-def test_resume_check_catches_lost_optimizer_state(parity_runner, tmp_path):
-    """A resume that drops the optimizer moments (a classic) diverges at the first resumed step."""
-    full = parity_runner.job(JobSpec(world_size=2, steps=20, overrides={"save_state_at": 10}))
-    resumed = parity_runner.job(
-        JobSpec(
-            world_size=2,
-            steps=20,
-            overrides={"resume": str(full.dir / "state_step10")},
-            inject=["resume-without-optimizer"],
-        )
-    )
-    from parity.compare import compare_frames
-
-    comparison = compare_frames(full.metrics.loc[11:], resumed.metrics)
-    assert comparison.verdict == "diverged"
-    assert comparison.metrics["train/loss"].first_divergent_step == 12
 
 
 def _one_rank_worker():
@@ -77,3 +57,26 @@ def test_failed_forward_backward_leaves_no_stale_gradients():
     for key in ("loss", "grad_norm", "lr"):
         assert retried[key] == fresh[key], key
     assert torch.isfinite(torch.tensor(retried["grad_norm"]))
+
+
+def test_non_finite_grad_norm_skips_the_step():
+    from worker.data.charcount import DATA_DIR, encode, load_tokenizer, read_jsonl
+    from worker.losses import sft_loss
+
+    tok = load_tokenizer()
+    batch = [encode(s, tok, 512) for s in read_jsonl(DATA_DIR / "train.jsonl")[:2]]
+    worker = _one_rank_worker()
+    before = {k: v.clone() for k, v in worker.engine.module.state_dict().items()}
+    lr_before = worker.engine.current_lr()
+
+    def poisoned(logits, mb, scale):
+        loss, metrics = sft_loss(logits, mb, scale)
+        return loss * float("inf"), metrics
+
+    out = worker.forward_backward(batch, poisoned)
+    step = worker.optim_step()
+    assert not step["applied"] and not np.isfinite(step["grad_norm"]) and np.isinf(out["loss"])
+    after = worker.engine.module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in worker.engine.module.parameters())
+    assert step["lr"] != lr_before  # the scheduler still steps, as in verl

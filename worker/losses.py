@@ -68,3 +68,81 @@ def sft_loss(logits: torch.Tensor, mb, scale: LossScale, mode: str = "token-mean
     nll = token_nll(logits, mb.labels)
     loss = agg_loss(nll, mb.loss_mask.reshape(-1), mb.seq_ids.reshape(-1), mb.num_seqs, mode, scale)
     return loss, {}
+
+
+# --- PPO -----------------------------------------------------------------------------------------
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+    """Per-token log-prob of the labels under logits / temperature, flat [T] float32."""
+    return -token_nll(logits / temperature, labels)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of the predicted distribution, flat [T] float32."""
+    logp = torch.log_softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def policy_loss_terms(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token, and where the clipped branch was taken (as 0/1 floats)."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def value_loss_terms(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss per token (0.5 * max of squared errors), and where clipping won."""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    unclipped = (values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def mb_extra(mb, key: str, like: torch.Tensor) -> torch.Tensor:
+    """A per-token extra of a micro-batch, flat, on like's device; zeros for an empty dummy."""
+    if mb.extras is None:
+        return torch.zeros(mb.labels.numel(), dtype=like.dtype, device=like.device)
+    return mb.extras[key].reshape(-1).to(like.device)
+
+
+def ppo_policy_loss(
+    logits: torch.Tensor,
+    mb,
+    scale: LossScale,
+    mode: str = "token-mean",
+    clip: float = 0.2,
+    temperature: float = 1.0,
+):
+    """PPO policy loss of one micro-batch; metrics are its shares of the global values."""
+    logp = token_log_probs(logits, mb.labels, temperature)
+    old = mb_extra(mb, "old_log_probs", logp)
+    pg, clipped = policy_loss_terms(logp, old, mb_extra(mb, "advantages", logp), clip)
+    mask, ids = mb.loss_mask.reshape(-1), mb.seq_ids.reshape(-1)
+    loss = agg_loss(pg, mask, ids, mb.num_seqs, mode, scale)
+    with torch.no_grad():
+        clipfrac = agg_loss(clipped, mask, ids, mb.num_seqs, "token-mean", scale)
+        kl = agg_loss(old - logp, mask, ids, mb.num_seqs, "token-mean", scale)
+        entropy = agg_loss(token_entropy(logits / temperature), mask, ids, mb.num_seqs, mode, scale)
+    metrics = {"pg_clipfrac": clipfrac.item(), "ppo_kl": kl.item(), "entropy": entropy.item()}
+    return loss, metrics
+
+
+def ppo_value_loss(
+    values: torch.Tensor, mb, scale: LossScale, mode: str = "token-mean", clip: float = 0.5
+):
+    """Clipped value loss of one micro-batch; `values` is the value model's [.., T, 1] output."""
+    v = values.reshape(-1).float()
+    vf, clipped = value_loss_terms(
+        v, mb_extra(mb, "old_values", v), mb_extra(mb, "returns", v), clip
+    )
+    mask, ids = mb.loss_mask.reshape(-1), mb.seq_ids.reshape(-1)
+    loss = agg_loss(vf, mask, ids, mb.num_seqs, mode, scale)
+    with torch.no_grad():
+        clipfrac = agg_loss(clipped, mask, ids, mb.num_seqs, "token-mean", scale)
+    return loss, {"vf_clipfrac": clipfrac.item()}

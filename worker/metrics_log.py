@@ -69,6 +69,28 @@ class MetricsLog:
                 f.close()
 
 
+def write_manifest(cfg, d, determinism: dict, data_files: dict[str, Path], **extra) -> None:
+    """The run manifest: full config, versions, device, backend, world size, determinism flags,
+    hashes of the data and the initial weights, and the git revision of this code."""
+    from dataclasses import asdict
+
+    from worker.model import file_sha256, weights_sha256
+
+    manifest = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "environment": environment(),
+        "device": str(d.device),
+        "backend": d.backend,
+        "world_size": d.world,
+        "determinism": determinism,
+        "data_sha256": {name: file_sha256(path) for name, path in data_files.items()},
+        "initial_weights_sha256": weights_sha256(cfg.model),
+        **extra,
+        "git_revision": git_revision(Path(__file__).resolve().parents[1]),
+    }
+    write_json_atomic(cfg.out / "manifest.json", manifest)
+
+
 def git_revision(path: Path) -> str | None:
     try:
         out = subprocess.run(

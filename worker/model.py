@@ -45,6 +45,32 @@ def load_model(path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa") -> torch.n
     return model
 
 
+def load_value_model(
+    path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa", seed: int = 0
+) -> torch.nn.Module:
+    """The causal LM's trunk with a Linear(hidden, 1) value head on the last hidden state.
+
+    A token-classification model with one label: its `.logits` [.., T, 1] are the values, so the
+    engine and TrainingWorker serve it unchanged. The head is seeded on its own (not from the
+    global RNG) and dropout is off, so every rank and trainer builds the same critic.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(str(path), num_labels=1)
+    config.classifier_dropout = 0.0
+    model = AutoModelForTokenClassification.from_pretrained(
+        str(path), config=config, dtype=torch.float32, attn_implementation=attn
+    )
+    model.config.use_cache = False
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        std = getattr(model.config, "initializer_range", 0.02)
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=gen) * std)
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    return model
+
+
 def file_sha256(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -96,6 +96,71 @@ def resume_without_optimizer() -> None:
     Engine.load = load
 
 
+def seq_mean_dp_scaling() -> None:
+    """Sequence-mean losses normalized by N_seqs * dp instead of N_seqs / dp: off by dp^2.
+
+    Multiplying and dividing by dp = 1 are both exact, so the bug is invisible at one rank.
+    """
+    import dataclasses
+
+    import worker.losses as losses
+
+    correct = losses.agg_loss
+
+    def agg_loss(values, mask, seq_ids, num_seqs, mode, scale):
+        if mode.startswith("seq-mean"):
+            scale = dataclasses.replace(scale, global_seqs=scale.global_seqs * scale.dp * scale.dp)
+        return correct(values, mask, seq_ids, num_seqs, mode, scale)
+
+    losses.agg_loss = agg_loss
+
+
+def missing_dp_factor() -> None:
+    """The micro-batch loss without `* dp`: DDP/FSDP averaging then shrinks every gradient by dp."""
+    import dataclasses
+
+    import worker.losses as losses
+
+    correct = losses.agg_loss
+
+    def agg_loss(values, mask, seq_ids, num_seqs, mode, scale):
+        return correct(values, mask, seq_ids, num_seqs, mode, dataclasses.replace(scale, dp=1))
+
+    losses.agg_loss = agg_loss
+
+
+def val_drop_last() -> None:
+    """The last, incomplete val micro-batch of each rank is dropped (drop_last on the loader)."""
+    from worker.trainers.sft import SFTTrainer
+
+    def validate(self) -> float:
+        d, size = self.job.dist, self.job.cfg.micro_batch_size
+        share = self.job.val[d.rank :: d.world]
+        return self.worker.forward(share[: len(share) - len(share) % size], self.loss_fn)["loss"]
+
+    SFTTrainer.validate = validate
+
+
+def critic_never_stepped() -> None:
+    """The engine PPO builds its critic, but the critic's optimizer never steps."""
+    from worker.trainers.ppo import PPOTrainer
+
+    original = PPOTrainer.__init__
+
+    def __init__(self, job, reward_model):
+        original(self, job, reward_model)
+        self.critic.engine.optimizer.step = lambda *args, **kwargs: None
+
+    PPOTrainer.__init__ = __init__
+
+
+def reward_missing_engine() -> None:
+    """The engine PPO's reward slot wired to an engine-only name that no registry has."""
+    from worker.trainers.ppo import PPOTrainer
+
+    PPOTrainer.reward_slot = staticmethod(lambda cfg: f"{cfg.reward_model}-engine")
+
+
 MUTANTS = {
     "old-val-loss": ("val/loss as the mean of micro-batch losses", old_val_loss),
     "lr-before-step": ("train/lr logged before the scheduler step", lr_before_step),
@@ -113,4 +178,18 @@ MUTANTS = {
         sampler_without_set_epoch,
     ),
     "resume-without-optimizer": ("load_state drops the optimizer state", resume_without_optimizer),
+    "missing-dp-factor": ("micro-batch loss not multiplied by dp", missing_dp_factor),
+    "val-drop-last": ("the last incomplete val micro-batch dropped", val_drop_last),
+    "seq-mean-dp-scaling": (
+        "PPO seq-mean loss normalizer scaled by dp instead of divided by it (dp > 1 only)",
+        seq_mean_dp_scaling,
+    ),
+    "critic-never-stepped": (
+        "PPO critic built but its optimizer never steps",
+        critic_never_stepped,
+    ),
+    "reward-missing-engine": (
+        "PPO reward slot wired to a reward model with no implementation",
+        reward_missing_engine,
+    ),
 }

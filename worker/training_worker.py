@@ -126,7 +126,15 @@ class TrainingWorker:
             ),
             "micro_batch_losses": mb_losses,
             "micro_batch_metrics": mb_metrics,
+            "metrics": self.reduce_micro_batch_metrics(mb_metrics),
         }
+
+    def reduce_micro_batch_metrics(self, mb_metrics: list[dict]) -> dict[str, float]:
+        """The loss fn's float metrics (global-scaled shares, like the loss): summed over the
+        micro-batches, then averaged over ranks. Keys sorted so every rank reduces in one order."""
+        first = mb_metrics[0] if mb_metrics else {}
+        keys = sorted(k for k, v in first.items() if isinstance(v, float))
+        return {k: self.reduce_mean_over_ranks(sum(m[k] for m in mb_metrics)) for k in keys}
 
     def reduce_mean_over_ranks(self, value: float) -> float:
         """Sum over ranks in float64, divided by dp: the global value of a dp-scaled loss."""

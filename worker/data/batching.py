@@ -6,6 +6,7 @@ Labels are shifted inside each sequence, so a packed row and a padded batch see 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,26 @@ def _shifted(sample: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
     return labels, mask
 
 
+def _extras(samples: list[Encoded], packed: bool, width: int) -> dict[str, torch.Tensor] | None:
+    """Per-token extras of samples that carry them (e.g. PPO rollouts), laid out like the labels.
+
+    Extras are stored label-aligned already (position i goes with label i), so they are not shifted.
+    """
+    first = getattr(samples[0], "extras", None)
+    if not first:
+        return None
+    out = {}
+    for key in first:
+        values = [s.extras[key] for s in samples]
+        if packed:
+            out[key] = torch.cat(values)[None]
+        else:
+            out[key] = values[0].new_zeros(len(values), width)
+            for i, v in enumerate(values):
+                out[key][i, : len(v)] = v
+    return out
+
+
 def collate(samples: list[Encoded], packed: bool = True, pad_id: int = 0) -> MicroBatch:
     """One micro-batch; an empty list gives a one-token dummy with no loss (keeps ranks in step)."""
     if not samples:
@@ -59,7 +80,8 @@ def collate(samples: list[Encoded], packed: bool = True, pad_id: int = 0) -> Mic
         labels = torch.cat([lab for lab, _ in shifted])[None]
         mask = torch.cat([m for _, m in shifted])[None]
         seq = torch.cat([torch.full((len(s),), i) for i, s in enumerate(samples)])[None]
-        return MicroBatch(ids, pos, None, labels, mask, seq, len(samples), ids.numel())
+        extras = _extras(samples, packed, ids.numel())
+        return MicroBatch(ids, pos, None, labels, mask, seq, len(samples), ids.numel(), extras)
     width = max(len(s) for s in samples)
     n = len(samples)
     ids = torch.full((n, width), pad_id, dtype=torch.int64)
@@ -73,7 +95,8 @@ def collate(samples: list[Encoded], packed: bool = True, pad_id: int = 0) -> Mic
         attn[i, : len(s)] = 1
     pos = torch.arange(width).expand(n, width).contiguous()
     seq = torch.arange(n)[:, None].expand(n, width).contiguous()
-    return MicroBatch(ids, pos, attn, labels, mask, seq, n, int(attn.sum()))
+    extras = _extras(samples, packed, width)
+    return MicroBatch(ids, pos, attn, labels, mask, seq, n, int(attn.sum()), extras)
 
 
 def split_fixed(samples: list[Encoded], micro_batch_size: int) -> list[list[Encoded]]:
@@ -108,6 +131,26 @@ def split_dynamic(samples: list[Encoded], count: int) -> list[list[Encoded]]:
         loads[g] += len(samples[i])
         members[g].append(i)
     return [[samples[i] for i in sorted(m)] for m in members]
+
+
+def step_order(
+    n: int, global_batch: int, rank: int, world: int, seed: int, steps: range
+) -> Iterator[tuple[int, int, list[int]]]:
+    """(step, epoch, this rank's sample indices) for 1-based steps, epoch after epoch.
+
+    torch's DistributedSampler with set_epoch: the global batch of a step is the same set of
+    samples for every world size, interleaved over the ranks.
+    """
+    from torch.utils.data import DistributedSampler
+
+    per_rank, per_epoch = global_batch // world, n // global_batch
+    sampler = DistributedSampler(
+        range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
+    for step in steps:
+        epoch, index = divmod(step - 1, per_epoch)
+        sampler.set_epoch(epoch)
+        yield step, epoch, list(sampler)[index * per_rank : (index + 1) * per_rank]
 
 
 def rank_share(items: list, rank: int, world: int) -> list:

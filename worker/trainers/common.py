@@ -7,12 +7,10 @@ and metric code in legacy_sft.py and sft.py.
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch.utils.data import DistributedSampler
-
-from worker.data.batching import BatchingConfig
+from worker.data.batching import BatchingConfig, step_order
 from worker.data.charcount import (
     DATA_DIR,
     TOKENIZER_DIR,
@@ -24,10 +22,8 @@ from worker.data.charcount import (
 from worker.determinism import set_determinism
 from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
-from worker.metrics_log import MetricsLog, environment, git_revision, write_json_atomic
-from worker.model import TINY_MODEL_DIR, file_sha256, load_model, weights_sha256
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from worker.metrics_log import MetricsLog, write_manifest
+from worker.model import TINY_MODEL_DIR, load_model
 
 
 @dataclass
@@ -184,42 +180,18 @@ class SFTJob:
         return job
 
     def write_manifest(self, determinism: dict) -> None:
-        cfg, d = self.cfg, self.dist
-        manifest = {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-            "environment": environment(),
-            "device": str(d.device),
-            "backend": d.backend,
-            "world_size": d.world,
-            "determinism": determinism,
-            "data_sha256": {s: file_sha256(cfg.data / f"{s}.jsonl") for s in ("train", "val")},
-            "initial_weights_sha256": weights_sha256(cfg.model),
-            "num_params": self.engine.num_params,
-            "git_revision": git_revision(REPO_ROOT),
-        }
-        write_json_atomic(self.cfg.out / "manifest.json", manifest)
+        files = {split: self.cfg.data / f"{split}.jsonl" for split in ("train", "val")}
+        write_manifest(self.cfg, self.dist, determinism, files, num_params=self.engine.num_params)
 
     def steps_per_epoch(self) -> int:
         return len(self.train) // self.cfg.global_batch_size
 
     def rank_batches(self, start_step: int = 1):
-        """(step, epoch, this rank's share) for steps start_step..steps.
-
-        torch's DistributedSampler with set_epoch: the global batch of a step is the same set of
-        samples for every world size, interleaved over the ranks.
-        """
+        """(step, epoch, this rank's share) for steps start_step..steps."""
         d, cfg = self.dist, self.cfg
-        per_rank = cfg.global_batch_size // d.world
-        sampler = DistributedSampler(
-            range(len(self.train)), num_replicas=d.world, rank=d.rank, shuffle=True,
-            seed=cfg.seed, drop_last=True,
-        )  # fmt: skip
-        per_epoch = self.steps_per_epoch()
-        for step in range(start_step, cfg.steps + 1):
-            epoch, index = divmod(step - 1, per_epoch)
-            sampler.set_epoch(epoch)
-            order = list(sampler)
-            chosen = order[index * per_rank : (index + 1) * per_rank]
+        steps = range(start_step, cfg.steps + 1)
+        order = step_order(len(self.train), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps)
+        for step, epoch, chosen in order:
             yield step, epoch, [self.train[i] for i in chosen]
 
     def is_val_step(self, step: int) -> bool:

@@ -1,0 +1,27 @@
+"""Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
+
+from parity.spec import JobSpec
+
+# 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
+FIXED = JobSpec(
+    world_size=2,
+    steps=20,
+    micro_batch_size=4,
+    overrides={"val_before_train": True, "save_final": True},
+)
+DYNAMIC = JobSpec(
+    world_size=2, steps=20, dynamic_bsz=True, micro_batch_size=None, max_tokens_per_rank=1200
+)
+DDP_PADDED = JobSpec(world_size=2, steps=20, engine="ddp", overrides={"padded": True})
+
+
+def plain(world_size: int = 2, **changes) -> JobSpec:
+    """The worker trainer, 20 steps, global batch 16, default options."""
+    return JobSpec(world_size=world_size, steps=20, **changes)
+
+
+# global batch 32: 12 steps per epoch, so 14 steps cross into the second epoch
+EPOCHS = JobSpec(world_size=2, steps=14, global_batch_size=32, micro_batch_size=8)
+# 46 val samples: 23 per rank, so the last val micro-batch of 4 is incomplete
+VAL46 = JobSpec(world_size=2, steps=2, overrides={"val_samples": 46})
+SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}

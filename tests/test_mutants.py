@@ -1,0 +1,74 @@
+"""The mutant catalogue: every injected bug must be caught by the check that guards it.
+
+Each entry names the check, the metric that must diverge first and the step where it does; the
+session prints the mutation score (caught / total), which must be 100%.
+"""
+
+from __future__ import annotations
+
+import pytest
+from specs import EPOCHS, FIXED, SEQ_MEAN, VAL46, plain
+from test_invariance import INVARIANCE
+
+from parity.compare import Comparison, compare_frames
+from parity.spec import PairSpec
+from worker.mutants import MUTANTS
+
+pytestmark = pytest.mark.parity
+
+# name -> (check, base spec, first divergent metric, its step)
+CHECKS = {
+    "old-val-loss": ("pair", FIXED, "val/loss", 0),
+    "lr-before-step": ("pair", FIXED, "train/lr", 1),
+    "micro-batch-token-mean": ("pair", plain(), "train/loss", 1),
+    "grad-norm-after-clip": ("pair", FIXED, "train/grad_norm", 1),
+    "loss-summed-over-ranks": ("pair", plain(), "train/loss", 1),
+    "missing-dp-factor": ("pair", plain(), "train/loss", 1),
+    "sampler-without-set-epoch": ("pair", EPOCHS, "train/global_tokens", 13),
+    "val-drop-last": ("pair", VAL46, "val/loss", 2),
+    "seq-mean-dp-scaling": ("invariance", plain(overrides=SEQ_MEAN), "train/loss", 1),
+    "resume-without-optimizer": ("resume", plain(), "train/loss", 12),
+}
+PPO_CHECKED = {"critic-never-stepped", "reward-missing-engine"}  # in test_ppo_parity.py
+
+
+def test_every_mutant_has_a_check():
+    assert set(MUTANTS) == set(CHECKS) | PPO_CHECKED
+
+
+def _check(runner, mutant: str) -> Comparison:
+    kind, base, _, _ = CHECKS[mutant]
+    if kind == "pair":
+        pair = PairSpec(base, {"trainer": "legacy"}, {"trainer": "worker", "inject": [mutant]})
+        return runner.pair(pair).comparison
+    if kind == "invariance":  # one rank against two: the policy of test_invariance.py
+        one = runner.job(plain(world_size=1, overrides=base.overrides))
+        two = runner.job(plain(world_size=2, overrides=base.overrides, inject=[mutant]))
+        return compare_frames(one.metrics, two.metrics, INVARIANCE)
+    if kind == "resume":
+        full = runner.job(plain(overrides={"save_state_at": 10}))
+        state = str(full.dir / "state_step10")
+        resumed = runner.job(plain(overrides={"resume": state}, inject=[mutant]))
+        return compare_frames(full.metrics.loc[11:], resumed.metrics)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("mutant", sorted(CHECKS))
+def test_mutant_is_caught_where_expected(parity_runner, parity_mutant_score, mutant):
+    _, _, metric, step = CHECKS[mutant]
+    comparison = _check(parity_runner, mutant)
+    parity_mutant_score(mutant, comparison.verdict == "diverged")
+    assert comparison.verdict == "diverged", comparison.table()
+    result = comparison.metrics[metric]
+    assert result.status == "diverged" and result.first_divergent_step == step, comparison.table()
+    first = min(r.first_divergent_step for r in comparison.failures)
+    assert first == step, comparison.table()  # nothing diverges earlier than the named metric
+
+
+def test_seq_mean_dp_scaling_is_invisible_at_one_rank(parity_runner):
+    """Why its check must run at dp = 2: at one rank the bug changes no bit."""
+    clean = parity_runner.job(plain(world_size=1, overrides=SEQ_MEAN))
+    broken = parity_runner.job(
+        plain(world_size=1, overrides=SEQ_MEAN, inject=["seq-mean-dp-scaling"])
+    )
+    assert compare_frames(clean.metrics, broken.metrics).verdict == "aligned"

@@ -1,0 +1,121 @@
+"""Legacy vs engine PPO on charcount RL, 2 ranks under torchrun: every update metric bitwise equal.
+
+Each claim is paired with a mutant (applied to side B by parity.inject) that the check must catch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from parity import assert_parity
+from parity.launch import LaunchError
+from parity.spec import JobSpec, PairSpec
+
+pytestmark = pytest.mark.parity
+
+METRICS = [
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/grad_norm",
+    "critic/lr",
+    "critic/values_mean",
+    "reward/mean",
+    "response_length/mean",
+]
+# 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO step; at 2 ranks
+# each mini-batch is 2 sequences per rank in micro-batches of 1.
+BASE = JobSpec(
+    task="charcount-ppo",
+    world_size=2,
+    steps=10,
+    global_batch_size=8,
+    micro_batch_size=1,
+    overrides={"ppo_mini_batch_size": 4},
+)
+SEQ_MEAN = dataclasses.replace(
+    BASE, overrides={"ppo_mini_batch_size": 4, "loss_agg_mode": "seq-mean-token-mean"}
+)
+# DDP engines and padded batches (generation then runs on the unwrapped replica)
+DDP_PADDED = dataclasses.replace(
+    BASE, engine="ddp", overrides={"ppo_mini_batch_size": 4, "padded": True}
+)
+
+
+def _pair(runner, base: JobSpec, inject_b: list[str] | None = None):
+    b = {"trainer": "worker", "inject": inject_b or []}
+    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b))
+
+
+@pytest.mark.parametrize(
+    "base", [BASE, SEQ_MEAN, DDP_PADDED], ids=["token-mean", "seq-mean-token-mean", "ddp-padded"]
+)
+def test_legacy_and_engine_ppo_are_bitwise_equal(parity_runner, base):
+    pair = _pair(parity_runner, base)
+    comparison = assert_parity(pair.a, pair.b)
+    for metric in METRICS:
+        result = comparison.metrics[metric]
+        assert result.status == "match" and result.policy == "exact", metric
+        assert result.steps_compared == 10, metric
+    lines = (pair.b.dir / "metrics.jsonl").read_text().splitlines()
+    meta = [json.loads(x)["_meta"] for x in lines if '"_meta"' in x]
+    assert len(meta) == 10
+    assert all(m["updates"] == 4 for m in meta)  # >= 2 optimizer steps per PPO step
+    assert all(m["per_rank"]["num_micro_batches"] == [2, 2] for m in meta), meta
+    assert comparison.metrics["actor/pg_clipfrac"].status == "match"
+    assert any(v > 0 for v in pair.b.metrics["actor/pg_clipfrac"])  # clipping really happens
+
+
+def _first_divergences(comparison) -> dict[str, int | None]:
+    return {m: comparison.metrics[m].first_divergent_step for m in METRICS}
+
+
+def test_seq_mean_dp_scaling_is_caught_at_two_ranks(parity_runner, parity_mutant_score):
+    comparison = _pair(parity_runner, SEQ_MEAN, ["seq-mean-dp-scaling"]).comparison
+    parity_mutant_score("seq-mean-dp-scaling (PPO)", comparison.verdict == "diverged")
+    assert comparison.verdict == "diverged"
+    first = _first_divergences(comparison)
+    for metric in ("actor/pg_loss", "actor/entropy", "critic/vf_loss", "critic/grad_norm"):
+        assert first[metric] == 1, (metric, first)
+    assert first["critic/values_mean"] == 2  # the critic saw the wrong gradients at step 1
+    assert first["reward/mean"] is None and first["actor/lr"] is None
+
+
+def test_seq_mean_dp_scaling_is_invisible_at_one_rank(parity_runner):
+    one_rank = dataclasses.replace(SEQ_MEAN, world_size=1)
+    pair = _pair(parity_runner, one_rank, ["seq-mean-dp-scaling"])
+    assert_parity(pair.a, pair.b)  # x * 1 and x / 1 are the same float: a dp=1 check cannot see it
+
+
+def test_critic_never_stepped_is_caught(parity_runner, parity_mutant_score):
+    comparison = _pair(parity_runner, BASE, ["critic-never-stepped"]).comparison
+    parity_mutant_score("critic-never-stepped", comparison.verdict == "diverged")
+    assert comparison.verdict == "diverged"
+    first = _first_divergences(comparison)
+    # the second mini-batch of step 1 already sees an unchanged critic
+    assert first["critic/vf_loss"] == 1 and first["critic/grad_norm"] == 1
+    # step 1's advantages came from the initial critic on both sides; step 2's did not
+    assert first["critic/values_mean"] == 2 and first["actor/pg_loss"] == 2
+    assert first["critic/lr"] is None  # the scheduler still steps: lr alone would not show it
+
+
+def test_reward_missing_engine_fails_early_with_one_line(parity_runner, parity_mutant_score):
+    spec = dataclasses.replace(BASE, trainer="worker", inject=["reward-missing-engine"])
+    with pytest.raises(LaunchError) as info:
+        parity_runner.job(spec)
+    parity_mutant_score("reward-missing-engine", True)  # the run failed, loudly
+    line = "error: reward model 'rule-engine' has no engine or legacy implementation"
+    assert line in str(info.value)
+    result = info.value.result
+    assert result.duration_s < 60  # before any model is built or step is run
+    for rank in (0, 1):
+        tail = result.tail(rank)
+        assert line in tail and "Traceback" not in tail, tail

@@ -1,0 +1,362 @@
+"""What both PPO trainers share: config, the job (actor, critic, reference engines), the prompt
+order, the seeded rollout, advantages (KL-penalized rewards, GAE, global whitening) and the
+mini-batch shuffles. This is the driver side of PPO; the parity claim is about the actor and
+critic workers in legacy_ppo.py and ppo.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker.data.batching import BatchingConfig, MicroBatch, step_order
+from worker.data.charcount import DATA_DIR, TOKENIZER_DIR, Encoded, load_tokenizer, read_jsonl
+from worker.determinism import set_determinism
+from worker.distributed import Dist, all_reduce_sum, init_distributed
+from worker.engine import Engine, OptimConfig
+from worker.losses import AGG_MODES
+from worker.metrics_log import MetricsLog, write_manifest
+from worker.model import TINY_MODEL_DIR, load_model, load_value_model
+
+
+@dataclass
+class PPOConfig:
+    out: Path
+    trainer: str = "worker"
+    engine: str = "fsdp2"
+    steps: int = 10
+    seed: int = 0
+    global_batch_size: int = 8  # prompts per PPO step
+    micro_batch_size: int = 1  # sequences per micro-batch and rank
+    dynamic_bsz: bool = False
+    max_tokens_per_rank: int = 2048
+    packed: bool = True
+    ppo_mini_batch_size: int = 0  # prompts per optimizer step; 0: half the global batch
+    ppo_epochs: int = 2
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    lr: float = 1e-3
+    critic_lr: float = 1e-3
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    clip_ratio: float = 0.2
+    cliprange_value: float = 0.5
+    kl_coef: float = 0.01
+    gamma: float = 1.0
+    lam: float = 0.95
+    reward_model: str = "rule"
+    model: Path = TINY_MODEL_DIR
+    tokenizer: Path = TOKENIZER_DIR
+    data: Path = DATA_DIR
+    attn: str = "sdpa"
+    val_loss: str = "fixed"  # accepted for the harness's common flags; PPO has no val loss
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.ppo_mini_batch_size or max(1, self.global_batch_size // 2)
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.ppo_epochs * (self.global_batch_size // self.mini_batch_size)
+
+    def batching(self) -> BatchingConfig:
+        return BatchingConfig(
+            micro_batch_size=self.micro_batch_size,
+            dynamic_bsz=self.dynamic_bsz,
+            max_tokens_per_rank=self.max_tokens_per_rank,
+            packed=self.packed,
+            horizon=float(self.max_new_tokens),
+        )
+
+    def optim(self, lr: float) -> OptimConfig:
+        return OptimConfig(
+            lr=lr,
+            warmup_ratio=self.warmup_ratio,
+            min_lr_ratio=self.min_lr_ratio,
+            clip_grad=self.clip_grad,
+            total_steps=self.steps * self.updates_per_step,  # the scheduler steps per update
+        )
+
+
+def parse_config(argv: list[str] | None = None) -> PPOConfig:
+    p = argparse.ArgumentParser(prog="python -m worker.ppo", description="charcount PPO job")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--trainer", choices=["legacy", "worker"], default="worker")
+    p.add_argument("--engine", choices=["fsdp2", "ddp"], default="fsdp2")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--global-batch-size", type=int, default=8, help="prompts per PPO step")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--dynamic-bsz", action="store_true")
+    p.add_argument("--max-tokens-per-rank", type=int, default=2048)
+    p.add_argument("--padded", action="store_true")
+    p.add_argument("--ppo-mini-batch-size", type=int, default=0)
+    p.add_argument("--ppo-epochs", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--critic-lr", type=float, default=1e-3)
+    p.add_argument("--warmup-ratio", type=float, default=0.1)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--loss-agg-mode", choices=AGG_MODES, default="token-mean")
+    p.add_argument("--clip-ratio", type=float, default=0.2)
+    p.add_argument("--cliprange-value", type=float, default=0.5)
+    p.add_argument("--kl-coef", type=float, default=0.01)
+    p.add_argument("--gamma", type=float, default=1.0)
+    p.add_argument("--lam", type=float, default=0.95)
+    p.add_argument("--reward-model", default="rule")
+    p.add_argument("--model", type=Path, default=TINY_MODEL_DIR)
+    p.add_argument("--tokenizer", type=Path, default=None)
+    p.add_argument("--data", type=Path, default=DATA_DIR)
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--val-loss", choices=["fixed", "legacy"], default="fixed", help="ignored")
+    a = p.parse_args(argv)
+    tokenizer = a.tokenizer
+    if tokenizer is None:
+        tokenizer = a.model if (a.model / "tokenizer.json").exists() else TOKENIZER_DIR
+    cfg = PPOConfig(
+        out=a.out, trainer=a.trainer, engine=a.engine, steps=a.steps, seed=a.seed,
+        global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
+        dynamic_bsz=a.dynamic_bsz, max_tokens_per_rank=a.max_tokens_per_rank, packed=not a.padded,
+        ppo_mini_batch_size=a.ppo_mini_batch_size, ppo_epochs=a.ppo_epochs,
+        max_new_tokens=a.max_new_tokens, temperature=a.temperature, lr=a.lr,
+        critic_lr=a.critic_lr, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
+        clip_grad=a.clip_grad, loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio,
+        cliprange_value=a.cliprange_value, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
+        reward_model=a.reward_model, model=a.model, tokenizer=tokenizer, data=a.data,
+        attn=a.attn, val_loss=a.val_loss,
+    )  # fmt: skip
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: PPOConfig) -> None:
+    """Impossible settings fail before any rank starts, in one line."""
+    for name in ("steps", "global_batch_size", "ppo_epochs", "max_new_tokens", "micro_batch_size"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    if cfg.global_batch_size % cfg.mini_batch_size:
+        raise SystemExit(
+            f"error: --ppo-mini-batch-size {cfg.mini_batch_size} does not divide the global "
+            f"batch {cfg.global_batch_size}"
+        )
+    if not (cfg.model / "config.json").exists():
+        raise SystemExit(f"error: {cfg.model}: not a model folder (no config.json)")
+    if not (cfg.data / "train.jsonl").exists():
+        raise SystemExit(f"error: {cfg.data / 'train.jsonl'}: no such data file")
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutSample(Encoded):
+    """Prompt + response ids (loss on the response) and label-aligned per-token extras."""
+
+    prompt: dict = field(default_factory=dict)
+    response: str = ""
+    response_length: int = 0
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class PPOJob:
+    """Everything both trainers need, built in one order: determinism, then the models."""
+
+    cfg: PPOConfig
+    dist: Dist
+    tokenizer: object
+    prompts: list[dict]
+    actor: Engine
+    critic: Engine
+    ref: Engine  # a frozen copy of the initial actor; its optimizer never steps
+    log: MetricsLog
+
+    @classmethod
+    def build(cls, cfg: PPOConfig) -> PPOJob:
+        d = init_distributed()
+        mini = cfg.mini_batch_size
+        if cfg.global_batch_size % d.world or mini % d.world:
+            raise SystemExit(
+                f"error: global batch {cfg.global_batch_size} and mini-batch {mini} must both be "
+                f"divisible by world size {d.world}"
+            )
+        determinism = set_determinism(cfg.seed)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        prompts = read_jsonl(cfg.data / "train.jsonl")
+        if len(prompts) < cfg.global_batch_size:
+            raise SystemExit(f"error: {len(prompts)} prompts, fewer than one global batch")
+        actor = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(cfg.lr), d)
+        critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed)
+        critic = Engine(critic_model, cfg.engine, cfg.optim(cfg.critic_lr), d)
+        ref = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(0.0), d)
+        log = MetricsLog(cfg.out, enabled=d.rank == 0)
+        job = cls(cfg, d, tokenizer, prompts, actor, critic, ref, log)
+        if d.rank == 0:
+            job.write_manifest(determinism)
+        return job
+
+    def write_manifest(self, determinism: dict) -> None:
+        files = {"train": self.cfg.data / "train.jsonl"}
+        write_manifest(
+            self.cfg, self.dist, determinism, files,
+            num_params=self.actor.num_params, critic_num_params=self.critic.num_params,
+        )  # fmt: skip
+
+    def rank_prompts(self):
+        """(step, epoch, this rank's prompts): the same data order as SFT."""
+        d, cfg = self.dist, self.cfg
+        steps = range(1, cfg.steps + 1)
+        order = step_order(
+            len(self.prompts), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps
+        )
+        for step, epoch, chosen in order:
+            yield step, epoch, [self.prompts[i] for i in chosen]
+
+
+# --- rollout ------------------------------------------------------------------------------------
+
+
+def _seed(*parts: int) -> int:
+    value = 0
+    for p in parts:
+        value = (value * 1_000_003 + p) % (2**63 - 1)
+    return value
+
+
+@torch.no_grad()
+def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
+    """Sample one response per prompt from the current actor, seeded by (seed, step, rank).
+
+    Every rank generates its own share with the (sharded) actor. Early stopping is off, so all
+    ranks run exactly max_new_tokens forwards (FSDP2 all-gathers in each); the response is cut
+    after its first eos afterwards.
+    """
+    cfg, d, tok = job.cfg, job.dist, job.tokenizer
+    ids = [
+        list(tok.apply_chat_template(p["messages"][:1], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False))
+        for p in prompts
+    ]  # fmt: skip
+    width = max(len(x) for x in ids)
+    pad = tok.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=d.device)
+    attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=d.device)
+    devices = [d.device] if d.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_seed(cfg.seed, step, d.rank))
+        out = job.actor.model.generate(
+            input_ids=input_ids, attention_mask=attention, do_sample=True,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0, top_p=1.0,
+            eos_token_id=None, pad_token_id=pad, use_cache=True,
+        )  # fmt: skip
+    samples = []
+    for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
+        response = out[i, width:].tolist()
+        if tok.eos_token_id in response:
+            response = response[: response.index(tok.eos_token_id) + 1]
+        full = torch.tensor(prompt_ids + response, dtype=torch.int64)
+        mask = torch.zeros_like(full)
+        mask[len(prompt_ids) :] = 1
+        text = tok.decode(response, skip_special_tokens=True)
+        index = torch.full_like(full, i)
+        samples.append(RolloutSample(full, mask, prompt, text, len(response), {"index": index}))
+    return samples
+
+
+# --- per-token outputs back to samples ----------------------------------------------------------
+
+
+def token_outputs(mb: MicroBatch, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One micro-batch's per-token values with each position's sample index (real tokens only)."""
+    flat = values.detach().reshape(-1).float().cpu()
+    if mb.extras is None:  # an empty dummy micro-batch
+        return {"values": flat[:0], "index": torch.zeros(0, dtype=torch.int64)}
+    valid = torch.ones_like(flat, dtype=torch.bool)
+    if mb.attention_mask is not None:
+        valid = mb.attention_mask.reshape(-1).bool()
+    return {"values": flat[valid], "index": mb.extras["index"].reshape(-1)[valid]}
+
+
+def to_samples(samples: list[RolloutSample], outputs: list[dict], key: str) -> None:
+    """Store the outputs of every micro-batch as each sample's label-aligned extra `key`."""
+    values = torch.cat([o["values"] for o in outputs])
+    index = torch.cat([o["index"] for o in outputs])
+    for i, s in enumerate(samples):
+        s.extras[key] = values[index == i]
+        assert len(s.extras[key]) == len(s), (key, i)
+
+
+# --- advantages ---------------------------------------------------------------------------------
+
+
+def response_positions(s: Encoded) -> torch.Tensor:
+    """Label-aligned positions of the response tokens (the ones that predict them)."""
+    shifted = torch.roll(s.loss_mask, -1)
+    shifted[-1] = 0
+    return shifted.nonzero().flatten()
+
+
+def _global_sum(values: list[float], device: torch.device) -> list[float]:
+    return all_reduce_sum(torch.tensor(values, dtype=torch.float64), device).tolist()
+
+
+def compute_advantages(
+    job: PPOJob, samples: list[RolloutSample], scores: list[float]
+) -> dict[str, float]:
+    """Token rewards (score at the last response token minus kl_coef * KL to the reference),
+    GAE, advantages whitened over the global batch; returns the rollout metrics."""
+    cfg, device = job.cfg, job.dist.device
+    all_adv, all_values = [], []
+    for s, score in zip(samples, scores, strict=True):
+        pos = response_positions(s)
+        values = s.extras["values"][pos]
+        kl = s.extras["old_log_probs"][pos] - s.extras["ref_log_probs"][pos]
+        rewards = -cfg.kl_coef * kl
+        rewards[-1] += score
+        adv = torch.zeros_like(values)
+        last = torch.zeros(())
+        for t in range(len(pos) - 1, -1, -1):
+            next_value = values[t + 1] if t + 1 < len(pos) else torch.zeros(())
+            delta = rewards[t] + cfg.gamma * next_value - values[t]
+            last = delta + cfg.gamma * cfg.lam * last
+            adv[t] = last
+        s.extras["returns"] = torch.zeros(len(s)).index_put_((pos,), adv + values)
+        s.extras["old_values"] = s.extras["values"]
+        all_adv.append(adv)
+        all_values.append(values)
+    adv_cat = torch.cat(all_adv).double()
+    total, count = _global_sum([float(adv_cat.sum()), float(adv_cat.numel())], device)
+    mean = total / count
+    (sq,) = _global_sum([float(((adv_cat - mean) ** 2).sum())], device)
+    inv_std = (sq / max(count - 1.0, 1.0) + 1e-8) ** -0.5
+    for s, adv in zip(samples, all_adv, strict=True):
+        whitened = ((adv.double() - mean) * inv_std).float()
+        s.extras["advantages"] = torch.zeros(len(s)).index_put_((response_positions(s),), whitened)
+    values_cat = torch.cat(all_values).double()
+    n_seqs, reward_sum, length_sum, value_sum, value_count = _global_sum(
+        [
+            float(len(samples)),
+            float(sum(scores)),
+            float(sum(s.response_length for s in samples)),
+            float(values_cat.sum()),
+            float(values_cat.numel()),
+        ],
+        device,
+    )
+    return {
+        "reward/mean": reward_sum / n_seqs,
+        "response_length/mean": length_sum / n_seqs,
+        "critic/values_mean": value_sum / value_count,
+    }
+
+
+def mini_batches(job: PPOJob, samples: list, step: int, epoch: int) -> list[list]:
+    """This rank's share of each mini-batch of a PPO epoch, in a seeded shuffle."""
+    gen = torch.Generator().manual_seed(_seed(job.cfg.seed, step, epoch, 7))
+    order = torch.randperm(len(samples), generator=gen).tolist()
+    size = job.cfg.mini_batch_size // job.dist.world
+    return [[samples[i] for i in order[j : j + size]] for j in range(0, len(order), size)]
