@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,8 +162,12 @@ def launch(
     torchrun_args: Sequence[str] = (),
     cwd: Path | str | None = None,
     kill_grace_s: float = 5.0,
+    on_tick: Callable[[], None] | None = None,
 ) -> LaunchResult:
-    """Run ``torchrun ... <module_or_script_args>`` and wait; on timeout or error kill it all."""
+    """Run ``torchrun ... <module_or_script_args>`` and wait; on timeout or error kill it all.
+
+    on_tick, if given, is called about twice a second while the job runs (progress display).
+    """
     run_dir = Path(run_dir).absolute()  # torchrun may run in another cwd
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +195,16 @@ def launch(
             start_new_session=True, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            proc.wait(timeout=timeout_s)
+            deadline = start + timeout_s
+            while True:
+                try:
+                    proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise
+                    if on_tick is not None:
+                        on_tick()
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:

@@ -90,3 +90,20 @@ def test_pair_command_reports_a_failed_run(tmp_path):
     assert json.loads(proc.stdout)["verdict"] == "failed"
     assert "run failed" in proc.stderr and "rank" in proc.stderr
     assert "not a model folder" in proc.stderr
+
+
+def test_progress_counts_logged_steps(tmp_path):
+    from parity.runs import Progress, steps_logged
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert steps_logged(metrics) == 0  # not written yet
+    metrics.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')
+    assert steps_logged(metrics) == 3  # a partial last record still counts as progress
+    quiet = Progress("A", 20, metrics, enabled=False)
+    quiet.tick()
+    quiet.close()
+    assert quiet.bar is None
+    shown = Progress("A", 20, metrics, enabled=True)
+    shown.tick()
+    assert shown.bar.n == 3
+    shown.close()

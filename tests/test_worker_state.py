@@ -20,6 +20,30 @@ def test_resume_from_saved_state_is_bitwise_equal(parity_runner):
     assert_parity(full.metrics.loc[11:], resumed.metrics)
 
 
+def test_resume_into_its_own_folder_reads_as_one_run(tmp_path):
+    """A run killed after step 12 (state saved at 10) and resumed in place: steps 1..20, once."""
+    from worker.metrics_log import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True)
+    for step in range(1, 13):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "train/lo')  # the truncated record of the killed run
+    resumed = MetricsLog(tmp_path, enabled=True, append=True)
+    resumed.resume_at(11)
+    for step in range(11, 21):
+        resumed.log(step, {"train/loss": float(step)})
+    resumed.finish(20)
+    from parity.readers import read_metrics
+
+    frame = read_metrics(tmp_path)
+    assert list(frame.index) == list(range(1, 21)) and frame.attrs["complete"]
+    assert read_metrics(tmp_path / "console.log", "verl-console").index.tolist() == list(
+        range(1, 21)
+    )
+
+
 def _one_rank_worker():
     from worker.data.batching import BatchingConfig
     from worker.determinism import set_determinism

@@ -45,6 +45,24 @@ class MetricsLog:
             self._jsonl = open(out_dir / "metrics.jsonl", mode, encoding="utf-8")
             self._console = open(out_dir / "console.log", mode, encoding="utf-8")
 
+    def resume_at(self, step: int) -> None:
+        """Drop what a resumed run will log again (records from `step` on, the end record), so a
+        run resumed into its own folder reads as one clean run."""
+        if not self.enabled:
+            return
+        self.close()
+        out_dir = Path(self._jsonl.name).parent
+        for name, step_of in (("metrics.jsonl", _jsonl_step), ("console.log", _console_step)):
+            path = out_dir / name
+            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [x for x in lines if (s := step_of(x)) is not None and s < step]
+            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+        self._jsonl = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._console = open(out_dir / "console.log", "a", encoding="utf-8")
+
     def log(self, step: int, metrics: dict[str, float], meta: dict | None = None) -> None:
         if not self.enabled:
             return
@@ -89,6 +107,18 @@ def write_manifest(cfg, d, determinism: dict, data_files: dict[str, Path], **ext
         "git_revision": git_revision(Path(__file__).resolve().parents[1]),
     }
     write_json_atomic(cfg.out / "manifest.json", manifest)
+
+
+def _jsonl_step(line: str) -> int | None:
+    try:
+        return json.loads(line).get("step")
+    except ValueError:
+        return None  # a truncated last line of a killed run
+
+
+def _console_step(line: str) -> int | None:
+    head = line.split(" - ", 1)[0]
+    return int(head[5:]) if head.startswith("step:") and head[5:].isdigit() else None
 
 
 def git_revision(path: Path) -> str | None:

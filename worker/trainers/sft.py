@@ -29,6 +29,7 @@ class SFTTrainer:
         start_step = 1
         if cfg.resume is not None:
             start_step = self.worker.load_state(cfg.resume)["next_step"]
+            job.log.resume_at(start_step)
         elif cfg.val_before_train:
             job.log.log(0, {"val/loss": self.validate()})
         for step, epoch, samples in job.rank_batches(start_step):
