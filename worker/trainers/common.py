@@ -149,13 +149,16 @@ class SFTJob:
     @classmethod
     def build(cls, cfg: SFTConfig) -> SFTJob:
         d = init_distributed()
+        if cfg.global_batch_size < d.world:
+            raise SystemExit(
+                f"error: world size {d.world} is larger than the global batch "
+                f"{cfg.global_batch_size}"
+            )
         if cfg.global_batch_size % d.world:
             raise SystemExit(
                 f"error: global batch {cfg.global_batch_size} is not divisible "
                 f"by world size {d.world}"
             )
-        if cfg.global_batch_size < d.world:
-            raise SystemExit(f"error: world size {d.world} is larger than the global batch")
         determinism = set_determinism(cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
         train = [encode(s, tokenizer, cfg.max_length) for s in read_jsonl(cfg.data / "train.jsonl")]
