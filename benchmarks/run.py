@@ -74,7 +74,7 @@ def _console_log(path: Path, lines: int) -> None:
             if i % 10 == 9:
                 f.write(f"(TaskRunner pid=1) INFO some unrelated log line {i}\n")
                 continue
-            v = rng.standard_normal(4)
+            v = [float(x) for x in rng.standard_normal(4)]
             f.write(
                 f"step:{i} - train/loss:{v[0]!r} - train/grad_norm:{v[1]!r} - "
                 f"train/lr:{v[2]!r} - train/mfu:{v[3]!r}\n"
