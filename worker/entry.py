@@ -7,12 +7,15 @@ benchmarks read, and a clean teardown.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import os
 import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -57,3 +60,43 @@ def fit_and_finish(
         job.log.finish(job.cfg.steps)
     finally:
         job.log.close()
+
+
+def job_arg_parser(prog: str, description: str, config_cls: type) -> argparse.ArgumentParser:
+    """The flags every job shares (what parity.spec.JobSpec.to_args emits); defaults come from
+    the job's config dataclass, so each job keeps its own."""
+    from worker.losses import AGG_MODES
+
+    d = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--out", type=Path, required=True, help="run folder for metrics and manifest")
+    p.add_argument("--trainer", choices=["legacy", "worker"], default=d["trainer"])
+    p.add_argument("--engine", choices=["fsdp2", "ddp"], default=d["engine"])
+    for flag, kind in (("steps", int), ("seed", int), ("global_batch_size", int)):
+        p.add_argument("--" + flag.replace("_", "-"), type=kind, default=d[flag])
+    p.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"])
+    p.add_argument("--dynamic-bsz", action="store_true")
+    p.add_argument("--max-tokens-per-rank", type=int, default=d["max_tokens_per_rank"])
+    p.add_argument("--padded", action="store_true", help="padded batches instead of packed")
+    for flag in ("lr", "warmup_ratio", "min_lr_ratio", "clip_grad"):
+        p.add_argument("--" + flag.replace("_", "-"), type=float, default=d[flag])
+    p.add_argument("--loss-agg-mode", choices=AGG_MODES, default=d["loss_agg_mode"])
+    p.add_argument("--val-loss", choices=["fixed", "legacy"], default=d["val_loss"])
+    p.add_argument("--model", type=Path, default=d["model"], help="any local HF model folder")
+    p.add_argument("--tokenizer", type=Path, default=None, help="default: the model's, else ours")
+    p.add_argument("--data", type=Path, default=d["data"])
+    p.add_argument("--attn", default=d["attn"])
+    return p
+
+
+def config_from_args(config_cls: type, args: argparse.Namespace) -> Any:
+    """The config dataclass from parsed flags of the same names (plus packed and the tokenizer)."""
+    from worker.data.charcount import TOKENIZER_DIR
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["packed"] = not args.padded
+    if args.tokenizer is None:
+        has_own = (args.model / "tokenizer.json").exists()
+        values["tokenizer"] = args.model if has_own else TOKENIZER_DIR
+    return config_cls(**values)

@@ -6,7 +6,6 @@ critic workers in legacy_ppo.py and ppo.py.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from worker.data.charcount import DATA_DIR, TOKENIZER_DIR, Encoded, load_tokeniz
 from worker.determinism import set_determinism
 from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
-from worker.losses import AGG_MODES
+from worker.entry import config_from_args, job_arg_parser
 from worker.metrics_log import MetricsLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model, load_value_model
 
@@ -84,54 +83,19 @@ class PPOConfig:
 
 
 def parse_config(argv: list[str] | None = None) -> PPOConfig:
-    p = argparse.ArgumentParser(prog="python -m worker.ppo", description="charcount PPO job")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--trainer", choices=["legacy", "worker"], default="worker")
-    p.add_argument("--engine", choices=["fsdp2", "ddp"], default="fsdp2")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--global-batch-size", type=int, default=8, help="prompts per PPO step")
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--dynamic-bsz", action="store_true")
-    p.add_argument("--max-tokens-per-rank", type=int, default=2048)
-    p.add_argument("--padded", action="store_true")
+    p = job_arg_parser("python -m worker.ppo", "charcount PPO job", PPOConfig)
     p.add_argument("--ppo-mini-batch-size", type=int, default=0)
     p.add_argument("--ppo-epochs", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--critic-lr", type=float, default=1e-3)
-    p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--loss-agg-mode", choices=AGG_MODES, default="token-mean")
     p.add_argument("--clip-ratio", type=float, default=0.2)
     p.add_argument("--cliprange-value", type=float, default=0.5)
     p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--gamma", type=float, default=1.0)
     p.add_argument("--lam", type=float, default=0.95)
     p.add_argument("--reward-model", default="rule")
-    p.add_argument("--model", type=Path, default=TINY_MODEL_DIR)
-    p.add_argument("--tokenizer", type=Path, default=None)
-    p.add_argument("--data", type=Path, default=DATA_DIR)
-    p.add_argument("--attn", default="sdpa")
-    p.add_argument("--val-loss", choices=["fixed", "legacy"], default="fixed", help="ignored")
-    a = p.parse_args(argv)
-    tokenizer = a.tokenizer
-    if tokenizer is None:
-        tokenizer = a.model if (a.model / "tokenizer.json").exists() else TOKENIZER_DIR
-    cfg = PPOConfig(
-        out=a.out, trainer=a.trainer, engine=a.engine, steps=a.steps, seed=a.seed,
-        global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
-        dynamic_bsz=a.dynamic_bsz, max_tokens_per_rank=a.max_tokens_per_rank, packed=not a.padded,
-        ppo_mini_batch_size=a.ppo_mini_batch_size, ppo_epochs=a.ppo_epochs,
-        max_new_tokens=a.max_new_tokens, temperature=a.temperature, lr=a.lr,
-        critic_lr=a.critic_lr, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
-        clip_grad=a.clip_grad, loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio,
-        cliprange_value=a.cliprange_value, kl_coef=a.kl_coef, gamma=a.gamma, lam=a.lam,
-        reward_model=a.reward_model, model=a.model, tokenizer=tokenizer, data=a.data,
-        attn=a.attn, val_loss=a.val_loss,
-    )  # fmt: skip
+    cfg = config_from_args(PPOConfig, p.parse_args(argv))
     validate(cfg)
     return cfg
 

@@ -6,7 +6,6 @@ and metric code in legacy_sft.py and sft.py.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from worker.data.charcount import (
 from worker.determinism import set_determinism
 from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
+from worker.entry import config_from_args, job_arg_parser
 from worker.metrics_log import MetricsLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
 
@@ -76,50 +76,15 @@ class SFTConfig:
 
 
 def parse_config(argv: list[str] | None = None) -> SFTConfig:
-    p = argparse.ArgumentParser(prog="python -m worker.sft", description="charcount SFT job")
-    p.add_argument("--out", type=Path, required=True, help="run folder for metrics and manifest")
-    p.add_argument("--trainer", choices=["legacy", "worker"], default="worker")
-    p.add_argument("--engine", choices=["fsdp2", "ddp"], default="fsdp2")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--dynamic-bsz", action="store_true")
-    p.add_argument("--max-tokens-per-rank", type=int, default=2048)
-    p.add_argument("--padded", action="store_true", help="padded batches instead of packed")
+    p = job_arg_parser("python -m worker.sft", "charcount SFT job", SFTConfig)
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-ratio", type=float, default=0.1)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--loss-agg-mode", default="token-mean")
-    p.add_argument("--val-loss", choices=["fixed", "legacy"], default="fixed")
     p.add_argument("--val-every", type=int, default=0)
     p.add_argument("--val-before-train", action="store_true")
     p.add_argument("--val-samples", type=int, default=0)
-    p.add_argument("--model", type=Path, default=TINY_MODEL_DIR, help="any local HF model folder")
-    p.add_argument(
-        "--tokenizer", type=Path, default=None, help="default: the model folder's, else the fixture"
-    )
-    p.add_argument("--data", type=Path, default=DATA_DIR)
-    p.add_argument("--attn", default="sdpa")
     p.add_argument("--save-state-at", type=int, action="append", default=[])
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--save-final", action="store_true", help="write final.safetensors (rank 0)")
-    a = p.parse_args(argv)
-    tokenizer = a.tokenizer
-    if tokenizer is None:
-        tokenizer = a.model if (a.model / "tokenizer.json").exists() else TOKENIZER_DIR
-    cfg = SFTConfig(
-        out=a.out, trainer=a.trainer, engine=a.engine, steps=a.steps, seed=a.seed,
-        global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
-        dynamic_bsz=a.dynamic_bsz, max_tokens_per_rank=a.max_tokens_per_rank, packed=not a.padded,
-        max_length=a.max_length, lr=a.lr, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
-        clip_grad=a.clip_grad, loss_agg_mode=a.loss_agg_mode, val_loss=a.val_loss,
-        val_every=a.val_every, val_before_train=a.val_before_train, val_samples=a.val_samples,
-        model=a.model, tokenizer=tokenizer, data=a.data, attn=a.attn,
-        save_state_at=a.save_state_at, resume=a.resume, save_final=a.save_final,
-    )  # fmt: skip
+    cfg = config_from_args(SFTConfig, p.parse_args(argv))
     validate(cfg)
     return cfg
 
