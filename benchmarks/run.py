@@ -1,23 +1,29 @@
-"""Benchmarks of the harness, each printed with its goal; medians over repeats, peers in one run.
+"""Benchmarks of the harness, each printed with its goal; medians over repeats, peers side by side.
 
-    python benchmarks/run.py            # everything (a few minutes on 2 cores)
-    python benchmarks/run.py --quick    # fewer repeats, smaller inputs
+    python benchmarks/run.py            # everything but the suite (tens of minutes on 2 cores)
+    python benchmarks/run.py --quick    # fewer repeats, smaller inputs, 20-step pairs only
+    python benchmarks/run.py --suite    # also the whole `pytest -m parity` suite: time, memory
 
-Figures: the matched pair's wall time and its overhead over the training it checks, the cost of
-one torchrun launch, comparison throughput against a per-value Python loop, and reading verl
-console logs against a line-by-line `re` + `float()` loop.
+Figures: (1) harness overhead, a matched pair's wall time over the training inside it, at 20, 100
+and 200 steps, two launches vs one in-process launch; (2) start-up: one launch, and the
+in-process pair against it; (3) comparison throughput against a per-value Python loop; (4)
+reading verl console logs against a line-by-line `re` + `float()` loop; (5) the parity suite.
+Timings are wall-clock medians, so run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +32,23 @@ import pandas as pd
 from parity.compare import compare_frames
 from parity.readers import read_metrics
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def median_time(fn, repeats: int) -> float:
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _goal(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+# --- (3) comparison ------------------------------------------------------------------------------
 
 
 def _frames(steps: int, metrics: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -63,11 +78,17 @@ def bench_compare(steps: int, repeats: int) -> None:
     n = a.size
     ours = median_time(lambda: compare_frames(a, b), repeats)
     peer = median_time(lambda: python_loop_compare(a, b), max(1, repeats // 2))
-    print(f"compare  {n:,} values: {n / ours / 1e6:.1f}M values/s (goal >= 20M/s); "
-          f"python loop {n / peer / 1e6:.1f}M values/s; ratio {peer / ours:.1f}x")  # fmt: skip
+    rate = n / ours / 1e6
+    print(f"compare   {n:,} values ({steps:,} steps x 10 metrics): {rate:.1f}M values/s "
+          f"(goal >= 20M/s: {_goal(rate >= 20)}); python loop {n / peer / 1e6:.1f}M values/s; "
+          f"ours {peer / ours:.1f}x faster")  # fmt: skip
+
+
+# --- (4) console reader --------------------------------------------------------------------------
 
 
 def _console_log(path: Path, lines: int) -> None:
+    """verl step lines with an unrelated log line after every nine (plain floats, full repr)."""
     rng = np.random.default_rng(1)
     with open(path, "w") as f:
         for i in range(lines):
@@ -104,29 +125,13 @@ def bench_reader(lines: int, repeats: int) -> None:
         _console_log(path, lines)
         ours = median_time(lambda: read_metrics(path, "verl-console"), repeats)
         peer = median_time(lambda: python_loop_read(path), repeats)
-    print(f"reader   {lines:,} console lines: {lines / ours / 1e6:.2f}M lines/s (goal >= 1M/s); "
-          f"re+float loop {lines / peer / 1e6:.2f}M lines/s; ratio {peer / ours:.1f}x")  # fmt: skip
+    rate = lines / ours / 1e6
+    print(f"reader    {lines:,} console lines (1 in 10 unrelated): {rate:.2f}M lines/s "
+          f"(goal >= 1M/s: {_goal(rate >= 1)}); re+float loop {lines / peer / 1e6:.2f}M lines/s; "
+          f"ours {peer / ours:.1f}x faster")  # fmt: skip
 
 
-def bench_pair(steps: int, repeats: int) -> None:
-    walls, launches, inside = [], [], []
-    for _ in range(repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "2"]
-            cmd += ["--steps", str(steps), "--out", tmp, "--json"]
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            walls.append(time.perf_counter() - start)
-            if proc.returncode != 0:
-                raise SystemExit(f"pair failed: {proc.stderr[-2000:]}")
-            summary = json.loads((Path(tmp) / "summary.json").read_text())
-            launches.append(summary["seconds"]["a"] + summary["seconds"]["b"])
-            inside.append(sum(_train_seconds(Path(tmp) / side) for side in ("a", "b")))
-    wall, launch, train = (statistics.median(x) for x in (walls, launches, inside))
-    print(f"pair     2 ranks x {steps} steps: wall {wall:.1f} s (goal: < 60 s at 20 steps); "
-          f"two launches {launch:.1f} s; training inside them {train:.1f} s; "
-          f"overhead wall/training {wall / train:.2f} (goal <= 1.15 at >= 200 steps); "
-          f"start-up per launch {(launch - train) / 2:.1f} s")  # fmt: skip
+# --- (1), (2) pairs and launches -----------------------------------------------------------------
 
 
 def _train_seconds(run_dir: Path) -> float:
@@ -134,17 +139,115 @@ def _train_seconds(run_dir: Path) -> float:
     return float(json.loads((run_dir / "timing.json").read_text())["train_seconds"])
 
 
+def _pair_once(steps: int, in_process: bool) -> tuple[float, float]:
+    """(wall time of `parity pair`, training time inside both sides) for one 2-rank SFT pair."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "2"]
+        cmd += ["--steps", str(steps), "--out", tmp, "--json"]
+        cmd += ["--in-process"] if in_process else []
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"pair failed: {proc.stderr[-2000:]}")
+        train = sum(_train_seconds(Path(tmp) / side) for side in ("a", "b"))
+    return wall, train
+
+
+def _launch_once(steps: int) -> tuple[float, float]:
+    """(wall time of one 2-rank worker launch, its training time)."""
+    from parity.runs import run_job
+    from parity.spec import JobSpec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        run = run_job(JobSpec(world_size=2, steps=steps), Path(tmp) / "run")
+        wall = time.perf_counter() - start
+        return wall, _train_seconds(run.dir)
+
+
+def _medians(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
+    results = [fn() for _ in range(repeats)]
+    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+
+
+def bench_pairs(step_counts: tuple[int, ...], repeats: int) -> None:
+    """(1): overhead = pair wall time / training time inside it, separate vs in-process."""
+    for steps in step_counts:
+        row = {}
+        for mode, in_process in (("separate", False), ("in-process", True)):
+            wall, train = _medians(lambda s=steps, ip=in_process: _pair_once(s, ip), repeats)
+            row[mode] = (wall, train)
+        (ws, ts), (wi, ti) = row["separate"], row["in-process"]
+        goal = f" (goal <= 1.15: {_goal(wi / ti <= 1.15)})" if steps >= 200 else ""
+        print(f"overhead  2 ranks x {steps} steps: two launches {ws:.1f} s / training {ts:.1f} s = "
+              f"{ws / ts:.2f}; in-process {wi:.1f} s / {ti:.1f} s = {wi / ti:.2f}{goal}; "
+              f"in-process saves {ws - wi:.1f} s ({ws / wi:.2f}x)")  # fmt: skip
+
+
+def bench_startup(repeats: int) -> None:
+    """(2): one launch's start-up, and a whole in-process 20-step pair against one launch."""
+    one_wall, one_train = _medians(lambda: _launch_once(20), repeats)
+    pair_wall, pair_train = _medians(lambda: _pair_once(20, True), repeats)
+    startup, pair_startup = one_wall - one_train, pair_wall - pair_train
+    ratio = pair_startup / startup
+    print(f"start-up  one launch (2 ranks, 20 steps): {one_wall:.1f} s wall, {startup:.1f} s of it "
+          f"outside training; in-process 20-step pair: {pair_wall:.1f} s wall "
+          f"({pair_wall / one_wall:.2f}x one launch), {pair_startup:.1f} s outside training = "
+          f"{ratio:.2f}x one launch's (goal < 1.5x: {_goal(ratio < 1.5)})")  # fmt: skip
+
+
+# --- (5) the parity suite ------------------------------------------------------------------------
+
+
+def _suite_child(pytest_args: list[str]) -> None:
+    """Run pytest (`-m parity` by default) as a child; print its wall time and peak memory (JSON).
+
+    Run in a fresh process of its own, so RUSAGE_CHILDREN counts the suite and nothing else.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tail = (proc.stdout.strip().splitlines() or [""])[-1]
+    report = {"wall_s": wall, "maxrss_kib": usage.ru_maxrss, "rc": proc.returncode, "tail": tail}
+    print(json.dumps(report))
+
+
+def bench_suite() -> None:
+    """(5): wall time and the largest process's peak RSS (ru_maxrss) of `pytest -m parity`."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--suite-child"], capture_output=True, text=True, cwd=ROOT
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"suite benchmark failed: {proc.stderr[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"suite     pytest -m parity: {r['wall_s']:.0f} s wall, peak RSS of its largest process "
+          f"{r['maxrss_kib'] / 1024:.0f} MiB; exit {r['rc']}: {r['tail']}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--skip-pair", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a short version (a few minutes)")
+    p.add_argument("--skip-pair", action="store_true", help="only compare and reader")
+    p.add_argument("--suite", action="store_true", help="also time `pytest -m parity` (slow)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per pair figure (median)")
+    p.add_argument("--suite-child", nargs="*", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    repeats = 3 if args.quick else 5
-    bench_compare(100_000 if args.quick else 1_000_000, repeats)
+    if args.suite_child is not None:
+        _suite_child(args.suite_child or ["-m", "parity"])
+        return
+    print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    bench_compare(100_000 if args.quick else 1_000_000, 3 if args.quick else 5)
     bench_reader(100_000 if args.quick else 1_000_000, 3)
     if not args.skip_pair:
-        for steps in (20,) if args.quick else (20, 200):
-            bench_pair(steps, 1 if args.quick else 3)
+        repeats = args.repeats or (1 if args.quick else 3)
+        bench_startup(repeats)
+        bench_pairs((20,) if args.quick else (20, 100, 200), repeats)
+    if args.suite:
+        bench_suite()
 
 
 if __name__ == "__main__":

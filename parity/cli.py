@@ -1,6 +1,8 @@
 """`parity`: run matched pairs, compare metric files, write reports, check git revisions.
 
-Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format), 3 a run failed.
+Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format), 3 a run failed,
+4 nondeterministic (pair --noise-floor: side A run twice differed). bisect: 1 when it names the
+first diverging commit, 0 when bad is aligned with good.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from parity.compare import Comparison, Policy, compare_frames
 from parity.launch import LaunchError
 from parity.readers import MetricsError, read_metrics
 from parity.report import build_report, write_report
-from parity.spec import JobSpec, PairSpec, SpecError, load_spec
+from parity.spec import JobSpec, PairSpec, SpecError, load_policies, load_spec
 
 EXIT_ALIGNED, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
+EXIT_NONDETERMINISTIC = 4  # pair --noise-floor: side A run twice differed
 
 
 def _policies(items: list[str]) -> dict[str, Policy]:
@@ -29,11 +32,21 @@ def _policies(items: list[str]) -> dict[str, Policy]:
     return out
 
 
+def _with_spec(policies: dict[str, Policy], spec: Path | None) -> dict[str, Policy | str]:
+    """--policy flags first (they win, also over the spec's globs), then the spec's [policies]."""
+    if spec is None:
+        return dict(policies)
+    from_spec = {k: v for k, v in load_policies(spec).items() if k not in policies}
+    return {**policies, **from_spec}
+
+
 def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) -> int:
     if as_json:
         print(json.dumps({**comparison.to_dict(), **(extra or {})}, allow_nan=False))
     else:
         print(comparison.table())
+        for line in (extra or {}).get("diagnosis", {}).get("lines", []):  # parity.diagnose
+            print(f"diagnosis: {line}")
         print(f"verdict: {comparison.verdict}")
     return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
 
@@ -69,14 +82,66 @@ def cmd_pair(args: argparse.Namespace) -> int:
             {**pair.a, "inject": args.inject_a or pair.a.get("inject", [])},
             {**pair.b, "inject": args.inject_b or pair.b.get("inject", [])},
         )
-    policies = _policies(args.policy)
-    result = run_pair(pair, Path(args.out), policies)
-    md = write_report(result.a.dir, result.b.dir, result.dir, policies)
+    policies = _with_spec(_policies(args.policy), args.spec)
+    result = run_pair(
+        pair,
+        Path(args.out),
+        policies,
+        allow_teardown_failure=args.allow_teardown_failure,
+        noise_floor=args.noise_floor,
+        in_process=args.in_process,
+    )
+    labels = ("A", "A' (A again)") if result.verdict == "nondeterministic" else ("A", "B")
+    notes = [f"verdict {result.verdict}: {result.teardown_line()}"] if result.teardown else []
+    md = write_report(result.a.dir, result.b.dir, result.dir, policies, labels=labels, notes=notes)
     html = md.with_name("report.html")
     if not args.json:
         print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
         print(f"report: {html}  {md}")
-    return _report(result.comparison, args.json, {"out": str(result.dir), "report": str(html)})
+    extra = {"out": str(result.dir), "report": str(html)}
+    extra["diagnosis"] = _diagnosis(result.a.dir, result.b.dir, result.comparison)
+    if result.floor is not None:
+        extra["noise_floor"] = result.floor.to_dict()
+        if not result.floor.deterministic:
+            return _report_nondeterministic(result, args.json, extra)
+        if not args.json:
+            print(result.floor.headline())
+    if not result.teardown:
+        return _report(result.comparison, args.json, extra)
+    return _report_teardown(result, args.json, extra)
+
+
+def _report_nondeterministic(result, as_json: bool, extra: dict) -> int:
+    """A against its repeat A' differed: the environment, not B, is to blame (exit 4)."""
+    comparison = result.comparison  # A vs A'; B was not run
+    info = {"verdict": result.verdict, "metrics_verdict": comparison.verdict, "b_judged": False}
+    if as_json:
+        print(json.dumps({**comparison.to_dict(), **extra, **info}, allow_nan=False))
+    else:  # the floor table is the diagnosis; report.md/html hold A vs A' in full
+        print(result.floor.table())
+        print(f"verdict: {result.verdict}")
+    return EXIT_NONDETERMINISTIC
+
+
+def _report_teardown(result, as_json: bool, extra: dict) -> int:
+    """A side finished training, then crashed or hung at exit: say so, with the metrics verdict.
+
+    Exit 3 ("failed", reason teardown-crash/-hang) unless --allow-teardown-failure, which gives
+    the metrics verdict's code; the teardown failure is printed and in --json either way.
+    """
+    comparison = result.comparison
+    teardown = [{"side": side, **r.to_dict()} for side, r in result.teardown]
+    info = {"verdict": result.verdict, "metrics_verdict": comparison.verdict, "teardown": teardown}
+    if as_json:
+        print(json.dumps({**comparison.to_dict(), **extra, **info}, allow_nan=False))
+    else:
+        allowed = "" if result.verdict == "failed" else " (teardown failure allowed)"
+        print(comparison.table())
+        print(result.teardown_line())
+        print(f"verdict: {result.verdict}{allowed}")
+    if result.verdict == "failed":
+        return EXIT_RUN_FAILED
+    return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -89,7 +154,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         allow_missing=args.allow_missing,
         allow_incomplete=args.allow_incomplete,
     )
-    return _report(comparison, args.json)
+    return _report(comparison, args.json, {"diagnosis": _diagnosis(args.a, args.b, comparison)})
+
+
+def _diagnosis(a, b, comparison: Comparison) -> dict:
+    """parity.diagnose of two run folders (or metric files in them), as JSON-able lines."""
+    from parity.diagnose import diagnose
+
+    return diagnose(a, b, comparison).to_dict()
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -104,9 +176,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     md = report.write(Path(args.out))
     html = md.with_name("report.html")
     if args.json:
-        return _report(report.comparison, True, {"report": str(html), "report_md": str(md)})
+        extra = {"report": str(html), "report_md": str(md)}
+        if report.diagnosis is not None:
+            extra["diagnosis"] = report.diagnosis.to_dict()
+        return _report(report.comparison, True, extra)
     print(f"report: {html}  {md}")
     print(report.headline())
+    for line in report.diagnosis.lines() if report.diagnosis is not None else []:
+        print(f"diagnosis: {line}")
     return EXIT_ALIGNED if report.comparison.ok else EXIT_DIVERGED
 
 
@@ -116,7 +193,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     loaded = load_spec(args.spec)
     if not isinstance(loaded, JobSpec):
         raise SpecError(f"{args.spec}: check runs one job spec on both sides, not an [a]/[b] pair")
-    out, policies = Path(args.out), _policies(args.policy)
+    out, policies = Path(args.out), _with_spec(_policies(args.policy), args.spec)
     if args.golden is not None:
         if args.base or args.head:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
@@ -130,7 +207,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"runs: {result.a_dir}  {result.b_dir}")
         print(f"report: {html}  {result.report}")
     extra = {"a_rev": result.a_rev, "b_rev": result.b_rev, "out": str(out), "report": str(html)}
+    extra["diagnosis"] = _diagnosis(result.a_dir, result.b_dir, result.comparison)
     return _report(result.comparison, args.json, extra)
+
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    from parity.bisect import bisect
+
+    policies = _with_spec(_policies(args.policy), args.spec)
+    result = bisect(args.spec, args.good, args.bad, Path(args.out), policies=policies)
+    if args.json:
+        print(json.dumps(result.to_dict(), allow_nan=False))
+    else:
+        print(result.text())
+        print(f"verdict: {result.verdict}  (runs and bisect.json in {result.out})")
+    return EXIT_ALIGNED if result.verdict == "aligned" else EXIT_DIVERGED
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -165,6 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--out", required=True)
+    pair.add_argument(
+        "--allow-teardown-failure",
+        action="store_true",
+        help="a side that crashes or hangs at exit after complete metrics: still reported, but "
+        "the verdict is the metrics' (default: failed, exit 3)",
+    )
+    pair.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="run side A twice first; if the two differ, say the environment is not "
+        "deterministic (exit 4) and give the floor per metric instead of judging B",
+    )
+    pair.add_argument(
+        "--in-process",
+        action="store_true",
+        help="both sides in one torchrun launch (same bits, one start-up); refused with the "
+        "reason when the sides differ in world size or mutants",
+    )
     pair.set_defaults(func=cmd_pair)
 
     compare = sub.add_parser("compare", help="compare two metric files or run folders")
@@ -194,11 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--out", default="runs/check", help="run folders and report")
     check.set_defaults(func=cmd_check)
 
+    bis = sub.add_parser(
+        "bisect", help="git bisect run with the harness as the test: the first diverging commit"
+    )
+    bis.add_argument("--good", required=True, help="revision whose run is the reference")
+    bis.add_argument("--bad", required=True, help="a later revision whose run diverges")
+    bis.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
+    bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
+    bis.set_defaults(func=cmd_bisect)
+
     mutants = sub.add_parser("mutants", help="list the mutant catalogue")
     mutants.add_argument("--catalogue", default="worker.mutants")
     mutants.set_defaults(func=cmd_mutants)
 
-    for s in (pair, compare, report, check):
+    for s in (pair, compare, report, check, bis):
         s.add_argument("--policy", action="append", default=[], metavar="METRIC=POLICY")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -213,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except LaunchError as e:
         if getattr(args, "json", False):  # a crashed run is "failed", never aligned or diverged
-            print(json.dumps({"verdict": "failed", "error": str(e)}))
+            print(json.dumps({"verdict": "failed", **e.result.to_dict(), "error": str(e)}))
         print(f"parity: run failed: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
 

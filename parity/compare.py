@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -27,6 +28,7 @@ __all__ = [
     "MetricResult",
     "MetricsError",
     "Policy",
+    "StepRange",
     "compare_frames",
     "default_policy",
     "ulp_distance",
@@ -58,16 +60,53 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Policy:
-    """How one metric is judged: exact bits, within K ULP, numpy isclose, or not at all."""
+class StepRange:
+    """One piece of a step policy: ``policy`` judges steps first..last (None: open end).
 
-    kind: Literal["exact", "ulp", "close", "ignore"] = "exact"
+    A piece with neither bound is the fallback for steps that no ranged piece covers.
+    """
+
+    first: int | None
+    last: int | None
+    policy: Policy
+
+    def covers(self, steps: np.ndarray) -> np.ndarray:
+        mask = np.ones(len(steps), dtype=bool)
+        if self.first is not None:
+            mask &= steps >= self.first
+        if self.last is not None:
+            mask &= steps <= self.last
+        return mask
+
+    def __str__(self) -> str:
+        if self.first is None and self.last is None:
+            return str(self.policy)
+        if self.first is not None and self.first == self.last:
+            return f"{self.policy}@{self.first}"
+        lo = "" if self.first is None else str(self.first)
+        hi = "" if self.last is None else str(self.last)
+        return f"{self.policy}@{lo}-{hi}"
+
+
+_KINDS = ("exact", "ulp", "close", "ignore", "steps")
+# a comma that starts a new piece of a step policy (close:RTOL,ATOL has commas of its own)
+_PIECE = re.compile(r",\s*(?=(?:exact|ulp|close|ignore)\b)")
+_RANGE = re.compile(r"\s*(?:(?P<one>\d+)|(?P<lo>\d*)\s*-\s*(?P<hi>\d*))\s*")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How one metric is judged: exact bits, within K ULP, numpy isclose, or not at all;
+    kind "steps" judges each step by the piece whose range holds it (``pieces``)."""
+
+    kind: Literal["exact", "ulp", "close", "ignore", "steps"] = "exact"
     ulp: int = 0
     rtol: float = 0.0
     atol: float = 0.0
+    pieces: tuple[StepRange, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("exact", "ulp", "close", "ignore"):
+        if self.kind not in _KINDS:
             raise ValueError(f"bad policy kind {self.kind!r}")
         if isinstance(self.ulp, bool) or not isinstance(self.ulp, int) or self.ulp < 0:
             raise ValueError(f"bad policy: ulp must be a non-negative integer, got {self.ulp!r}")
@@ -75,30 +114,108 @@ class Policy:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"bad policy: {name} must be finite and >= 0, got {v!r}")
+        object.__setattr__(self, "pieces", tuple(self.pieces))
+        if (self.kind == "steps") != bool(self.pieces):
+            raise ValueError("bad policy: pieces go with kind 'steps', and only with it")
+        if self.pieces:
+            _check_pieces(self.pieces)
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """'exact' | 'ulp:K' | 'close:RTOL,ATOL' (or 'close:RTOL') | 'ignore'."""
-        kind, sep, arg = text.strip().partition(":")
+        """'exact' | 'ulp:K' | 'close:RTOL,ATOL' (or 'close:RTOL') | 'ignore', or a step policy.
+
+        A step policy is pieces joined by commas, each a policy with a step range after '@':
+        '@A-B', '@A-' (A on), '@-B' (up to B) or '@N' (one step); e.g. 'exact@-5,ulp:4@6-' is
+        exact up to step 5, then within 4 ULP. Ranges may not overlap. At most one piece has no
+        range and judges the steps no range covers; without it those steps are judged exact.
+        Steps change because some differences are legitimate only later (a reordered reduction
+        that grows with training), and the strict part should stay strict.
+        """
+        texts = _PIECE.split(text.strip())
+        if len(texts) == 1 and "@" not in text:
+            return _parse_simple(text, text)
+        pieces = []
+        for piece in texts:
+            body, at, steps = piece.partition("@")
+            policy = _parse_simple(body, text)
+            if not at:
+                pieces.append(StepRange(None, None, policy))
+                continue
+            m = _RANGE.fullmatch(steps)
+            if not m or (m["one"] is None and not (m["lo"] or m["hi"])):
+                raise ValueError(
+                    f"bad policy {text!r}: step range {steps.strip()!r} is not N, A-B, A- or -B"
+                )
+            lo, hi = (m["one"], m["one"]) if m["one"] is not None else (m["lo"], m["hi"])
+            pieces.append(StepRange(int(lo) if lo else None, int(hi) if hi else None, policy))
         try:
-            if kind in ("exact", "ignore") and not sep:
-                return cls(kind)
-            if kind == "ulp" and arg.strip().isdigit():
-                return cls("ulp", ulp=int(arg))
-            if kind == "close" and arg:
-                parts = [float(p) for p in arg.split(",")]
-                if len(parts) in (1, 2):
-                    return cls("close", rtol=parts[0], atol=parts[1] if len(parts) == 2 else 0.0)
-        except ValueError:
-            pass
-        raise ValueError(f"bad policy {text!r}: expected exact, ulp:K, close:RTOL,ATOL or ignore")
+            return cls("steps", pieces=tuple(pieces))
+        except ValueError as e:
+            why = str(e).removeprefix("bad policy: ")
+            raise ValueError(f"bad policy {text!r}: {why}") from None
+
+    def piece_at(self, step: int) -> str:
+        """The policy in force at ``step``, as text (a step policy's piece, with its range)."""
+        if self.kind != "steps":
+            return str(self)
+        index = int(_piece_index(self.pieces, np.array([step], dtype=np.int64))[0])
+        return str(self.pieces[index]) if index >= 0 else "exact (no range holds the step)"
 
     def __str__(self) -> str:
+        if self.kind == "steps":
+            return ",".join(map(str, self.pieces))
         if self.kind == "ulp":
             return f"ulp:{self.ulp}"
         if self.kind == "close":
             return f"close:{self.rtol!r},{self.atol!r}"
         return self.kind
+
+
+def _parse_simple(piece: str, text: str) -> Policy:
+    kind, sep, arg = piece.strip().partition(":")
+    try:
+        if kind in ("exact", "ignore") and not sep:
+            return Policy(kind)
+        if kind == "ulp" and arg.strip().isdigit():
+            return Policy("ulp", ulp=int(arg))
+        if kind == "close" and arg:
+            parts = [float(p) for p in arg.split(",")]
+            if len(parts) in (1, 2):
+                return Policy("close", rtol=parts[0], atol=parts[1] if len(parts) == 2 else 0.0)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"bad policy {text!r}: expected exact, ulp:K, close:RTOL,ATOL or ignore, "
+        "optionally with @STEPS pieces (exact@-5,ulp:4@6-)"
+    )
+
+
+def _check_pieces(pieces: tuple[StepRange, ...]) -> None:
+    """Simple policies, at most one fallback, sane and disjoint ranges."""
+    if any(p.policy.kind == "steps" for p in pieces):
+        raise ValueError("bad policy: a piece of a step policy cannot be a step policy")
+    ranged = [p for p in pieces if p.first is not None or p.last is not None]
+    if len(pieces) - len(ranged) > 1:
+        raise ValueError("bad policy: more than one piece without a step range")
+    for p in ranged:
+        if p.first is not None and p.last is not None and p.first > p.last:
+            raise ValueError(f"bad policy: empty step range in {p}")
+    ranged.sort(key=lambda p: -1 if p.first is None else p.first)
+    for prev, cur in zip(ranged, ranged[1:], strict=False):
+        if prev.last is None or cur.first is None or cur.first <= prev.last:
+            raise ValueError(f"bad policy: step ranges of {prev} and {cur} overlap")
+
+
+def _piece_index(pieces: tuple[StepRange, ...], steps: np.ndarray) -> np.ndarray:
+    """For each step, the index of the piece in force; -1 where none is (judged exact)."""
+    which = np.full(len(steps), -1, dtype=np.int64)
+    for i, p in enumerate(pieces):  # the fallback first: ranged pieces override it
+        if p.first is None and p.last is None:
+            which[:] = i
+    for i, p in enumerate(pieces):
+        if p.first is not None or p.last is not None:
+            which[p.covers(steps)] = i
+    return which
 
 
 def default_policy(metric: str) -> Policy:
@@ -132,6 +249,7 @@ class MetricResult:
     exact_matches: int = 0
     divergent_steps: int = 0
     first_divergent_step: int | None = None
+    first_divergent_policy: str | None = None  # the policy (piece) in force at that step
     a_value: float | None = None
     b_value: float | None = None
     max_abs_diff: float | None = None
@@ -248,6 +366,33 @@ def _steps(steps: list[int], limit: int = 8) -> str:
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 
 
+def _judge(
+    policy: Policy,
+    steps: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    same: np.ndarray,
+    ulp: np.ndarray,
+) -> np.ndarray:
+    """Per step: within the policy in force at that step (vectorised, piece by piece)."""
+    if policy.kind == "steps":
+        which = _piece_index(policy.pieces, steps)
+        good = same.copy()  # steps that no piece holds are judged exact
+        for i, piece in enumerate(policy.pieces):
+            mask = which == i
+            if mask.any():
+                sub = (steps[mask], x[mask], y[mask], same[mask], ulp[mask])
+                good[mask] = _judge(piece.policy, *sub)
+        return good
+    if policy.kind == "exact":
+        return same
+    if policy.kind == "ulp":
+        return ulp <= np.uint64(policy.ulp)
+    if policy.kind == "ignore":  # a piece of a step policy: these steps are not judged
+        return np.ones(len(x), dtype=bool)
+    return np.isclose(x, y, rtol=policy.rtol, atol=policy.atol, equal_nan=True)
+
+
 def _compare_metric(
     name: str,
     policy: Policy,
@@ -274,12 +419,7 @@ def _compare_metric(
     same = (x.view(np.uint64) == y.view(np.uint64)) | (np.isnan(x) & np.isnan(y))
     res.exact_matches = int(same.sum())
     ulp = ulp_distance(x, y)
-    if policy.kind == "exact":
-        good = same
-    elif policy.kind == "ulp":
-        good = ulp <= np.uint64(policy.ulp)
-    else:
-        good = np.isclose(x, y, rtol=policy.rtol, atol=policy.atol, equal_nan=True)
+    good = _judge(policy, st, x, y, same, ulp)
     notes = []
     zero_sign = (x == 0) & (y == 0) & ~same
     if zero_sign.any():
@@ -301,7 +441,10 @@ def _compare_metric(
         i = int(np.argmax(bad))
         res.status, res.ok = "diverged", False
         res.first_divergent_step = int(st[i])
+        res.first_divergent_policy = policy.piece_at(res.first_divergent_step)
         res.a_value, res.b_value = float(x[i]), float(y[i])
+        if policy.kind == "steps":
+            notes.append(f"step {res.first_divergent_step} judged {res.first_divergent_policy}")
     elif res.missing_in_a or res.missing_in_b:
         res.status, res.ok = "missing", allow_missing
     for side, miss in (("a", res.missing_in_a), ("b", res.missing_in_b)):

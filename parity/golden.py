@@ -60,11 +60,25 @@ def _compared(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _manifest(folder: Path) -> dict[str, Any]:
+    """A run's or golden's manifest.json, or a one-line GoldenError naming the file."""
+    path = Path(folder) / "manifest.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GoldenError(f"{path}: missing (the environment fingerprint is needed)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GoldenError(f"{path}: cannot read: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise GoldenError(f"{path}: must be a JSON object, got {type(data).__name__}")
+    return data
+
+
 def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> None:
     """Make (or rewrite) a golden from a finished run folder."""
     golden_dir = Path(golden_dir)
     frame = _compared(read_metrics(run_dir))
-    manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
+    manifest = _manifest(run_dir)
     golden_dir.mkdir(parents=True, exist_ok=True)
     write_metrics(frame, golden_dir / "metrics.jsonl", "jsonl")
     write_json_atomic(
@@ -113,7 +127,8 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
     if len(golden.index) != len(run.index) or list(golden.index) != list(run.index):
         raise GoldenError(
             f"{golden_dir / 'metrics.jsonl'}: golden has {len(golden.index)} steps "
-            f"({golden.index.min()}..{golden.index.max()}), the run has {len(run.index)}"
+            f"({golden.index.min()}..{golden.index.max()}), the run has {len(run.index)} "
+            f"({run.index.min()}..{run.index.max()})"
         )
     unknown = sorted(set(golden.columns) ^ set(run.columns))
     if unknown:
@@ -122,8 +137,7 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
             + ", ".join(unknown)
         )
     comparison = compare_frames(golden, run, policies)
-    stored = json.loads((golden_dir / "manifest.json").read_text())
-    current = json.loads((Path(run_dir) / "manifest.json").read_text())
+    stored, current = _manifest(golden_dir), _manifest(run_dir)
     fa, fb = fingerprint(stored), fingerprint(current)
     diff = {k: (fa[k], fb[k]) for k in FINGERPRINT_KEYS if fa[k] != fb[k]}
     if comparison.ok:

@@ -92,10 +92,43 @@ class LaunchResult:
     #: for single-node jobs.
     rank_logs: dict[int, Path] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
+    #: Set by the caller when the job's own output is complete (metrics.jsonl has its end record,
+    #: written during this launch): a failure is then one of teardown, after training finished.
+    output_complete: bool = False
+    #: Multi-node launches (``launch_nodes``): one result per node launcher started here.
+    nodes: dict[int, LaunchResult] = field(default_factory=dict)
+    #: Why the launch failed beyond the ranks' own reports (e.g. a node that never joined).
+    note: str = ""
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+    @property
+    def reason(self) -> str:
+        """One word for JSON and reports: ok, teardown-crash, teardown-hang, timeout, crash.
+
+        teardown-*: the output is complete (training finished), then a rank crashed or hung at
+        exit. The metrics can be trusted, the process exit cannot; it is never reported as ok.
+        """
+        if self.ok:
+            return "ok"
+        if self.output_complete:
+            return "teardown-hang" if self.timed_out else "teardown-crash"
+        return "timeout" if self.timed_out else "crash"
+
+    def to_dict(self) -> dict:
+        """JSON-able summary: reason, exit code, and each failing rank with its signal."""
+        return {
+            "reason": self.reason,
+            "returncode": self.returncode,
+            "timed_out": self.timed_out,
+            "run_dir": str(self.run_dir),
+            "failures": [
+                {"rank": f.rank, "exitcode": f.exitcode, "signal": f.signal} for f in self.failures
+            ],
+            **({"note": self.note} if self.note else {}),
+        }
 
     def tail(self, rank: int, n_lines: int = 30) -> str:
         """Last lines of a rank's stdout and stderr (by local rank), or '' if it has no logs."""
@@ -115,6 +148,23 @@ class LaunchResult:
         if self.ok:
             return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
         lines: list[str] = []
+        if self.output_complete:
+            how = "hung" if self.timed_out else "crashed"
+            first = f" ({self.failures[0].headline()})" if self.failures else ""
+            lines.append(
+                f"teardown failure: training finished and its metrics are complete (end record "
+                f"written), then the job {how} at exit{first}"
+            )
+        if self.note:
+            lines.append(self.note)
+        if self.nodes:
+            state = "timed out" if self.timed_out else f"failed with exit code {self.returncode}"
+            lines.append(f"{len(self.nodes)}-node torchrun job {state} ({where})")
+            if self.failures:
+                lines.append(f"first failure: {self.failures[0].headline()}")
+            for node, result in sorted(self.nodes.items()):
+                lines += [f"--- node {node} ---", _indent(result.describe(n_lines))]
+            return "\n".join(lines)
         if self.timed_out:
             lines.append(
                 f"torchrun job timed out after {self.timeout_s:g} s and was killed ({where})"
@@ -163,10 +213,15 @@ def launch(
     cwd: Path | str | None = None,
     kill_grace_s: float = 5.0,
     on_tick: Callable[[], None] | None = None,
+    finished: Callable[[], bool] | None = None,
+    exit_grace_s: float = 60.0,
 ) -> LaunchResult:
     """Run ``torchrun ... <module_or_script_args>`` and wait; on timeout or error kill it all.
 
     on_tick, if given, is called about twice a second while the job runs (progress display).
+    finished, if given, is polled as often: once it is true (the job's output is complete), the
+    job has ``exit_grace_s`` more to exit before it is killed as hung at exit, instead of
+    waiting out the whole timeout.
     """
     run_dir = Path(run_dir).absolute()  # torchrun may run in another cwd
     log_dir = run_dir / "logs"
@@ -194,8 +249,8 @@ def launch(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
             start_new_session=True, stdin=subprocess.DEVNULL,
         )  # fmt: skip
+        deadline, exit_by = start + timeout_s, None
         try:
-            deadline = start + timeout_s
             while True:
                 try:
                     proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
@@ -205,6 +260,9 @@ def launch(
                         raise
                     if on_tick is not None:
                         on_tick()
+                    if finished is not None and exit_by is None and finished():
+                        exit_by = time.monotonic() + exit_grace_s
+                        deadline = min(deadline, exit_by)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
@@ -224,6 +282,12 @@ def launch(
         launch_id=launch_id,
         rank_logs=_find_rank_logs(log_dir, before),
     )
+    if timed_out and deadline == exit_by:
+        result.timeout_s = round(exit_by - start, 1)
+        result.note = (
+            f"the job's output was complete, but it had not exited {exit_grace_s:g} s later: "
+            f"killed as hung at exit"
+        )
     if not result.ok and not timed_out:
         result.failures = _parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
@@ -235,6 +299,133 @@ def launch_or_raise(module_or_script_args: list[str], **kwargs) -> LaunchResult:
     if not result.ok:
         raise LaunchError(result)
     return result
+
+
+class _Cancelled(Exception):
+    """Raised from a node's on_tick so that its ``launch`` kills its processes and returns."""
+
+
+def launch_nodes(
+    module_or_script_args: list[str],
+    *,
+    nnodes: int,
+    nproc: int,
+    run_dir: Path,
+    node_ranks: Sequence[int] | None = None,
+    join_timeout_s: float = 60.0,
+    timeout_s: float = 600,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+    cwd: Path | str | None = None,
+    on_tick: Callable[[], None] | None = None,
+    peer_grace_s: float = 30.0,
+    finished: Callable[[], bool] | None = None,
+    exit_grace_s: float = 60.0,
+) -> LaunchResult:
+    """An ``nnodes``-node job on this machine: one torchrun per node, each through ``launch``.
+
+    They meet at a c10d rendezvous on 127.0.0.1 (a fresh port and id); node i's launcher log and
+    rank logs go to ``run_dir/node<i>``. ``node_ranks`` starts only those nodes here (the rest
+    are expected from elsewhere); a node that never joins makes the others fail after
+    ``join_timeout_s``, and the result's note names the rendezvous and the missing node ranks.
+    Nodes still running ``peer_grace_s`` after another node failed are stopped (no hang).
+    Why: checks that a job gives the same numbers across node boundaries, without a cluster.
+    """
+    import threading
+
+    run_dir = Path(run_dir).absolute()
+    ranks = list(range(nnodes)) if node_ranks is None else list(node_ranks)
+    if not ranks or any(not 0 <= r < nnodes for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ValueError(f"node_ranks must be distinct, in 0..{nnodes - 1}; got {ranks}")
+    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"parity-{uuid.uuid4().hex[:12]}"
+    stop = threading.Event()
+    results: dict[int, LaunchResult] = {}
+    errors: list[BaseException] = []
+
+    def tick(first: bool) -> None:
+        if stop.is_set():
+            raise _Cancelled
+        if first and on_tick is not None:
+            on_tick()
+
+    def node(rank: int) -> None:
+        rdzv = [
+            "--nnodes", str(nnodes), "--node-rank", str(rank), "--rdzv-backend", "c10d",
+            f"--rdzv-endpoint={endpoint}", "--rdzv-id", rdzv_id,
+            "--rdzv-conf", f"join_timeout={join_timeout_s:g}",
+        ]  # fmt: skip
+        try:
+            results[rank] = launch(
+                module_or_script_args, nproc=nproc, run_dir=run_dir / f"node{rank}",
+                timeout_s=timeout_s, env=env, torchrun_args=[*rdzv, *torchrun_args], cwd=cwd,
+                on_tick=lambda: tick(rank == ranks[0]), finished=finished,
+                exit_grace_s=exit_grace_s,
+            )  # fmt: skip
+        except _Cancelled:
+            if not errors:  # stopped because another node failed: say so in its result
+                note = f"node {rank}: stopped {peer_grace_s:g} s after another node failed"
+                results[rank] = LaunchResult(
+                    None, False, time.monotonic() - start, run_dir / f"node{rank}", note=note
+                )
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+            stop.set()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=node, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    failed_at: float | None = None
+    try:
+        while any(t.is_alive() for t in threads):
+            threads[0].join(0.2)
+            if failed_at is None and any(not r.ok for r in list(results.values())):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > peer_grace_s:
+                stop.set()
+    finally:  # Ctrl-C here: every node's launch kills its processes before we go on
+        stop.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return _merge_nodes(results, nnodes, run_dir, time.monotonic() - start, timeout_s,
+                        endpoint, rdzv_id, join_timeout_s)  # fmt: skip
+
+
+def _merge_nodes(
+    results: dict[int, LaunchResult], nnodes: int, run_dir: Path, duration: float,
+    timeout_s: float, endpoint: str, rdzv_id: str, join_timeout_s: float,
+) -> LaunchResult:  # fmt: skip
+    """One result for a multi-node launch: the first non-zero exit, all failures, a note."""
+    codes = [r.returncode for _, r in sorted(results.items()) if r.returncode not in (0, None)]
+    stopped = any(r.returncode is None for r in results.values())
+    merged = LaunchResult(
+        returncode=codes[0] if codes else (None if stopped else 0),
+        timed_out=any(r.timed_out for r in results.values()),
+        duration_s=duration,
+        run_dir=run_dir,
+        timeout_s=timeout_s,
+        failures=sorted(
+            (f for _, r in sorted(results.items()) for f in r.failures), key=_secondary
+        ),
+        nodes=dict(sorted(results.items())),
+    )
+    waited = [n for n, r in sorted(results.items()) if _rendezvous_timed_out(r)]
+    if waited:
+        missing = [n for n in range(nnodes) if n not in waited]
+        merged.note = (
+            f"rendezvous {rdzv_id!r} (c10d at {endpoint}) timed out after {join_timeout_s:g} s: "
+            f"node rank(s) {', '.join(map(str, waited))} waited, node rank(s) "
+            f"{', '.join(map(str, missing)) or '?'} never joined ({len(waited)} of {nnodes})"
+        )
+    return merged
+
+
+def _rendezvous_timed_out(result: LaunchResult) -> bool:
+    if result.ok or result.launcher_log is None:
+        return False
+    return "RendezvousTimeoutError" in _tail_file(result.launcher_log, 200)
 
 
 def survivors(launch_id: str, pgid: int | None = None) -> list[int]:
@@ -366,10 +557,12 @@ def _parse_failures(launcher_text: str, result: LaunchResult) -> list[RankFailur
         tail = result.tail(local)
         failures.append(RankFailure(rank, code, _signal_name(code), tail, local))
 
-    def secondary(f: RankFailure) -> bool:
-        return f.signal == "SIGTERM" or any(m in f.log_tail for m in _SECONDARY_MARKERS)
+    return sorted(failures, key=_secondary)  # stable: keeps torchrun's order otherwise
 
-    return sorted(failures, key=secondary)  # stable: keeps torchrun's order otherwise
+
+def _secondary(f: RankFailure) -> bool:
+    """A rank that probably died only because a peer died first (SIGTERM, connection closed)."""
+    return f.signal == "SIGTERM" or any(m in f.log_tail for m in _SECONDARY_MARKERS)
 
 
 def _tail_file(path: Path, n_lines: int, max_bytes: int = 256 * 1024) -> str:

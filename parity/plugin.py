@@ -78,29 +78,109 @@ def assert_parity(
 
 
 class ParityRunner:
-    """Runs jobs and pairs under torchrun, one launch per distinct spec per session."""
+    """Runs jobs and pairs under torchrun, one launch per distinct spec per session.
+
+    A run is cached by its spec whichever way it was launched: a side run in-process (both sides
+    of a pair in one launch, `pair(..., in_process=True)`) is bitwise the run a launch of its own
+    gives (tests/test_inprocess.py), so later tests of the same spec reuse it.
+    """
 
     def __init__(self, base_dir: Path):
         self.base_dir = base_dir
         self._runs: dict[tuple, object] = {}
+        self._separate: dict[tuple, object] = {}  # launched alone, where _runs holds in-process
+        self._in_process: dict[tuple, object] = {}  # pair_in_process results, by both keys
+        self._count = 0
 
-    def _folder(self, spec: JobSpec) -> Path:
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{spec.task}-{spec.trainer}-w{spec.world_size}")
-        return self.base_dir / f"{len(self._runs):03d}-{name}"
+    def _folder(self, name: str) -> Path:
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+        self._count += 1
+        return self.base_dir / f"{self._count - 1:03d}-{name}"
 
-    def job(self, spec: JobSpec):
+    @staticmethod
+    def _key(spec: JobSpec) -> tuple:
+        launcher = (spec.world_size, spec.nnodes, tuple(spec.torchrun_args))
+        return tuple(spec.to_args(Path("{out}"))) + launcher
+
+    def job(self, spec: JobSpec, separate: bool = False):
+        """The run of `spec`; separate=True: one launched on its own, never an in-process one."""
         from parity.runs import run_job
 
-        key = tuple(spec.to_args(Path("{out}"))) + (spec.world_size, tuple(spec.torchrun_args))
-        if key not in self._runs:
-            self._runs[key] = run_job(spec, self._folder(spec))
-        return self._runs[key]
+        key = self._key(spec)
+        run = self._runs.get(key)
+        if run is not None and not (separate and run.in_process):
+            return run
+        if separate and key in self._separate:
+            return self._separate[key]
+        run = run_job(spec, self._folder(f"{spec.task}-{spec.trainer}-w{spec.world_size}"))
+        self._separate[key] = run
+        self._runs.setdefault(key, run)
+        return run
 
-    def pair(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
+    def pair(
+        self,
+        pair: PairSpec,
+        policies: Mapping[str, Policy | str] | None = None,
+        in_process: bool = False,
+        noise_floor: bool = False,
+    ):
+        """Both sides (cached runs reused); in_process=True: sides not run yet share one launch.
+
+        in_process raises SpecError (one line) when the sides cannot share a process.
+        noise_floor=True: A against a fresh repeat of A first (``result.floor``); if they differ,
+        B is not run, ``result.b`` is the repeat and ``result.verdict`` "nondeterministic".
+        """
         from parity.runs import PairResult
 
         spec_a, spec_b = pair.sides()
-        a, b = self.job(spec_a), self.job(spec_b)
+        floor = None
+        if noise_floor:
+            floor = self.floor(spec_a, policies)
+            if not floor.deterministic:
+                a, again = floor.runs
+                return PairResult(a, again, floor.comparison, a.dir.parent, floor=floor)
+        missing = [s for s in (spec_a, spec_b) if self._key(s) not in self._runs]
+        if in_process and len(missing) == 2:
+            result = self.pair_in_process(pair, policies)
+            a, b = result.a, result.b
+            self._runs.setdefault(self._key(spec_a), a)
+            self._runs.setdefault(self._key(spec_b), b)
+        else:
+            if in_process:
+                from parity.inprocess import refusal
+                from parity.spec import SpecError
+
+                reason = refusal(spec_a, spec_b)
+                if reason:
+                    raise SpecError(reason)
+            a, b = self.job(spec_a), self.job(spec_b)
+        comparison = compare_frames(a.metrics, b.metrics, policies)
+        return PairResult(a, b, comparison, a.dir.parent, floor=floor)
+
+    def floor(self, spec: JobSpec, policies: Mapping[str, Policy | str] | None = None):
+        """The noise floor of ``spec``: its (cached) run against a new launch, never cached,
+        since a second run is the whole point. ``floor.runs`` holds the two Runs."""
+        from parity.noise import floor_from_frames
+        from parity.runs import run_job
+
+        a = self.job(spec, separate=True)
+        name = f"{spec.task}-{spec.trainer}-w{spec.world_size}-repeat"
+        again = run_job(spec, self._folder(name))
+        floor = floor_from_frames(a.metrics, again.metrics, policies)
+        floor.a_dir, floor.repeat_dir, floor.runs = a.dir, again.dir, (a, again)
+        return floor
+
+    def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
+        """Both sides in one launch, always (cached as such): for tests of the mode itself."""
+        from parity.inprocess import run_pair_in_process
+        from parity.runs import PairResult
+
+        spec_a, spec_b = pair.sides()
+        key = (self._key(spec_a), self._key(spec_b))
+        if key not in self._in_process:
+            name = f"{spec_a.task}-{spec_a.trainer}-vs-{spec_b.trainer}-w{spec_a.world_size}"
+            self._in_process[key] = run_pair_in_process(pair, self._folder(name + "-in-process"))
+        a, b = self._in_process[key]
         return PairResult(a, b, compare_frames(a.metrics, b.metrics, policies), a.dir.parent)
 
 

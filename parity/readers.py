@@ -80,12 +80,21 @@ def _assemble(
     names: Sequence[str],
 ) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     """(values, present) from cells; None when one (step, metric) got two different values."""
-    ustep, inv = np.unique(np.asarray(group_steps, dtype=np.int64), return_inverse=True)
+    group_steps = np.asarray(group_steps, dtype=np.int64)
+    if len(group_steps) < 2 or (group_steps[1:] > group_steps[:-1]).all():
+        ustep, row = group_steps, np.asarray(cell_group, dtype=np.int64)  # the usual log
+    else:
+        ustep, inv = np.unique(group_steps, return_inverse=True)
+        row = inv[cell_group].astype(np.int64)
     order = sorted(range(len(names)), key=lambda i: names[i])
     rank = np.empty(len(names), dtype=np.intp)
     rank[order] = np.arange(len(names))
     ncols = len(names)
-    flat = inv[cell_group].astype(np.int64) * ncols + rank[cell_col] if ncols else cell_group
+    if ncols:
+        flat = row * ncols
+        flat += rank[cell_col]
+    else:
+        flat = cell_group
     vals = np.full(len(ustep) * ncols, np.nan)
     present = np.zeros(len(ustep) * ncols, dtype=bool)
     vals[flat] = cell_val
@@ -101,8 +110,8 @@ def _assemble(
     columns = pd.Index([names[i] for i in order])
     shape = (len(ustep), ncols)
     return (
-        pd.DataFrame(vals.reshape(shape), index=index, columns=columns),
-        pd.DataFrame(present.reshape(shape), index=index, columns=columns),
+        pd.DataFrame(vals.reshape(shape), index=index, columns=columns, copy=False),
+        pd.DataFrame(present.reshape(shape), index=index, columns=columns, copy=False),
     )
 
 
@@ -262,19 +271,84 @@ def _read_csv(text: str, path: Path) -> _Cells:
 # --- verl console -------------------------------------------------------------------------------
 
 
+_WS = np.zeros(256, dtype=bool)
+_WS[list(b" \t\n\r\x0b\x0c")] = True  # what `\S` excludes in a bytes pattern
+_POW10 = 10 ** np.arange(1, 17, dtype=np.int64)  # digits of n < 2**53: 1 + #(powers <= n)
+
+
+def _step_text(raw: bytes) -> tuple[bytes, np.ndarray] | None:
+    """The matched step lines joined by newlines, as `b"\n".join(_STEP_LINE_B.findall(raw))`
+    gives them, found with numpy instead of the regex; None when that cannot be shown cheaply.
+
+    Also returns where each line's `step:` starts, for `_steps_are_digits`: which candidate lines
+    really are `step:[0-9]+ - ...` is only known once the steps are parsed.
+    """
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    n = len(buf)
+    at = np.flatnonzero(buf[: max(n - 4, 0)] == ord("s"))  # every "step:" that fits
+    for k, c in enumerate(b"tep:", 1):
+        at = at[buf[at + k] == c]
+    if not len(at):
+        return None
+    # e.g. "timestep:": the regex would look further along that line
+    if not (_WS[buf[np.maximum(at - 1, 0)]] | (at == 0)).all():
+        return None
+    newlines = np.flatnonzero(buf == ord("\n"))
+    line = np.searchsorted(newlines, at)  # the line of each "step:"
+    if len(at) > 1 and not (np.diff(line) > 0).all():
+        return None  # two in one line: the regex takes the first that matches
+    ends = np.append(newlines, n)[line]  # each match runs to the end of its line
+    # one piece per run of matches that start right after the previous line's newline
+    joins = np.flatnonzero(at[1:] != ends[:-1] + 1)
+    firsts = np.concatenate(([0], joins + 1))
+    lasts = np.append(joins, len(at) - 1)
+    view = memoryview(raw)
+    pieces = zip(at[firsts].tolist(), ends[lasts].tolist(), strict=True)
+    text = b"\n".join([view[a:b] for a, b in pieces])
+    return text, at
+
+
+def _steps_are_digits(raw: bytes, at: np.ndarray, steps: np.ndarray) -> bool:
+    """Whether each `step:` at `at` is followed by exactly the decimal digits of its parsed
+    step (no sign, point, exponent or leading zero) and then ' - ', as the regex requires."""
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    if not ((steps >= 0) & (steps < 2.0**53)).all():  # also NaN
+        return False
+    ints = steps.astype(np.int64)
+    if (ints != steps).any():
+        return False
+    width = 1 + np.searchsorted(_POW10, ints, side="right")
+    first = at + 5
+    if (first + width + 3 > len(buf)).any():
+        return False
+    span = np.arange(int(width.max()))
+    digits = buf[np.minimum(first[:, None] + span, len(buf) - 1)]
+    digits = np.where(span < width[:, None], digits, ord("0"))
+    if ((digits < ord("0")) | (digits > ord("9"))).any():
+        return False
+    after = buf[(first + width)[:, None] + np.arange(3)]
+    return bool((after == np.frombuffer(b" - ", dtype=np.uint8)).all())
+
+
 def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     """Vectorised path for well-formed logs; None means "let the line-by-line reader decide".
 
     It accepts only text where the result is provably the slow reader's: each ' - ' token
     becomes one row for pandas' C parser with ':' as separator, which rejects any row that is
-    not exactly `key:float`; rows with whitespace fall back.
+    not exactly `key:float`; rows with whitespace fall back. The step lines are found with numpy
+    (`_step_text`, then checked by `_steps_are_digits`), else with the regex.
     """
-    lines = _STEP_LINE_B.findall(raw)
-    n_lines = len(lines)
-    if not n_lines:
-        return None
-    body = b"\n".join(lines).replace(b" - ", b"\n")
-    del lines
+    found = _step_text(raw)
+    if found is None:
+        lines = _STEP_LINE_B.findall(raw)
+        if not lines:
+            return None
+        text, at, n_lines = b"\n".join(lines), None, len(lines)
+        del lines
+    else:
+        (text, at), n_lines = found, len(found[1])
+    body = text.replace(b" - ", b"\n")
+    del text
     # a space left was inside a token; an empty last token
     if any(c in body for c in (b" ", b"\t", b"\x0b", b"\x0c", b"\x00")) or body.endswith(b"\n"):
         return None
@@ -306,19 +380,23 @@ def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     if int(is_step.sum()) != n_lines:  # a metric named 'step'
         return None
     vals = df["v"].to_numpy(dtype=np.float64)
-    if ((vals == 0.0) | (vals == 1.0)).any() and (
-        b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))
-    ):
-        return None  # maybe true/false, which the C parser reads as 1/0 and float() refuses
+    del df
     steps = vals[is_step]
     if (steps >= 2.0**53).any():
         return None
-    line = np.cumsum(is_step) - 1
+    if at is not None and not _steps_are_digits(raw, at, steps):
+        return None
     cell = ~is_step
+    cell_vals = vals[cell]
+    if ((cell_vals == 0.0) | (cell_vals == 1.0)).any() and (
+        b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))
+    ):
+        return None  # maybe true/false, which the C parser reads as 1/0 and float() refuses
+    line = np.cumsum(is_step) - 1
     col = codes[cell].astype(np.intp)
     col -= col > step_code  # drop the 'step' category
     names = cats[:step_code] + cats[step_code + 1 :]
-    return _assemble(steps.astype(np.int64), line[cell], col, vals[cell], names)
+    return _assemble(steps.astype(np.int64), line[cell], col, cell_vals, names)
 
 
 def _console_slow(text: str, path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from parity.compare import ULP_MAX, Comparison, MetricResult, Policy, compare_frames, ulp_distance
+from parity.diagnose import Diagnosis, diagnose
 from parity.files import write_text_atomic
 from parity.readers import present_mask, read_metrics
 
@@ -236,6 +237,7 @@ class Report:
     a: Side
     b: Side
     notes: list[str] = field(default_factory=list)
+    diagnosis: Diagnosis | None = None  # parity.diagnose: batches vs numerics, tensors, ranks
 
     def headline(self) -> str:
         c = self.comparison
@@ -249,7 +251,8 @@ class Report:
             return ""
         return (
             f"first divergence: step {first.first_divergent_step}, {first.name} "
-            f"(a={_num(first.a_value)}, b={_num(first.b_value)})"
+            f"(a={_num(first.a_value)}, b={_num(first.b_value)}; "
+            f"policy {first.first_divergent_policy or first.policy})"
         )
 
     def _extra_steps(self) -> list[str]:
@@ -276,6 +279,9 @@ class Report:
             out += [f"**{md(self.first_line())}**", ""]
         for line in [*self._extra_steps(), *self.notes]:
             out += [md(line), ""]
+        if self.diagnosis is not None and self.diagnosis.lines():
+            out += ["### Diagnosis", ""]
+            out += [f"- {md(line)}" for line in self.diagnosis.lines()] + [""]
         out += [f"- {md(line)}" for line in self._sides_info()] + [""]
         out += ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
         out += ["| " + " | ".join(md(c) for c in _cells(m)) + " |" for m in _rows(self.comparison)]
@@ -308,6 +314,9 @@ class Report:
         if first is not None:
             body.append(f"<p class='first'><a href='#first-divergence'>{e(self.first_line())}</a>")
         body += [f"<p>{e(line)}</p>" for line in [*self._extra_steps(), *self.notes]]
+        if self.diagnosis is not None and self.diagnosis.lines():
+            items = "".join(f"<li>{e(line)}</li>" for line in self.diagnosis.lines())
+            body.append(f"<h2>Diagnosis</h2><ul class='diagnosis'>{items}</ul>")
         body.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in self._sides_info()) + "</ul>")
 
         body.append("<h2>Verdict per metric</h2><table class='verdict'><thead><tr>")
@@ -416,7 +425,8 @@ def build_report(
         allow_missing=allow_missing,
         allow_incomplete=allow_incomplete,
     )
-    return Report(comparison, side_a, side_b, list(notes))
+    diagnosis = diagnose(side_a.run_dir, side_b.run_dir, comparison)
+    return Report(comparison, side_a, side_b, list(notes), diagnosis)
 
 
 def write_report(

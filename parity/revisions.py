@@ -13,15 +13,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from parity.compare import Comparison, Policy
-from parity.launch import LaunchError, launch
+from parity.launch import LaunchError, launch, launch_nodes
 from parity.readers import read_metrics
 from parity.report import build_report
+from parity.runs import end_record_written, mark_teardown
 from parity.spec import JobSpec
 
 __all__ = [
@@ -108,16 +111,25 @@ def run_in_tree(spec: JobSpec, tree: Path, run_dir: Path) -> Path:
     for name in _JOB_FILES:
         (run_dir / name).unlink(missing_ok=True)
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
-    result = launch(
-        spec.to_args(run_dir),
+    since = time.time()
+    kwargs: dict[str, Any] = dict(
         nproc=spec.nproc_per_node,
         run_dir=run_dir,
         timeout_s=spec.timeout_s,
         env={"PYTHONPATH": os.pathsep.join(paths)},
         torchrun_args=spec.torchrun_args,
         cwd=tree,
+        finished=lambda: end_record_written(run_dir / "metrics.jsonl", since),
     )
+    if spec.nnodes > 1:  # every node on this machine, as run_job does
+        join_s = min(60.0, spec.timeout_s)
+        result = launch_nodes(
+            spec.to_args(run_dir), nnodes=spec.nnodes, join_timeout_s=join_s, **kwargs
+        )
+    else:
+        result = launch(spec.to_args(run_dir), **kwargs)
     if not result.ok:
+        mark_teardown(result, run_dir / "metrics.jsonl", since)  # reason: teardown-* or crash
         raise LaunchError(result)
     return run_dir
 

@@ -70,8 +70,8 @@ class JobSpec:
             raise SpecError(f"dynamic_bsz must be true or false, got {self.dynamic_bsz!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
             raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
-        if self.timeout_s <= 0:
-            raise SpecError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan would never time out
+            raise SpecError(f"timeout_s must be > 0 and finite, got {self.timeout_s}")
         if isinstance(self.model, Path):
             object.__setattr__(self, "model", str(self.model))
         if self.model is not None and not isinstance(self.model, str):
@@ -184,8 +184,27 @@ class PairSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec | PairSpec:
-    """Read a ``.toml`` or ``.yaml``/``.yml`` spec: job keys at top level, optional a/b tables."""
-    path = Path(path)
+    """Read a ``.toml`` or ``.yaml``/``.yml`` spec: job keys at top level, optional a/b tables
+    (and an optional ``policies`` table, read by ``load_policies``)."""
+    source = str(path)
+    data = _read_spec(Path(path))
+    data.pop("policies", None)
+    a, b = data.pop("a", None), data.pop("b", None)
+    base = JobSpec.from_dict(data, source)
+    if a is None and b is None:
+        return base
+    sides = {}
+    for name, table in (("a", a), ("b", b)):
+        if table is None:
+            table = {}
+        if not isinstance(table, dict):
+            raise SpecError(f"{source}: [{name}] must be a table, got {type(table).__name__}")
+        sides[name] = table
+    return PairSpec(base, sides["a"], sides["b"], source=source)
+
+
+def _read_spec(path: Path) -> dict[str, Any]:
+    """The parsed file as a dict; unreadable or non-table content is a one-line SpecError."""
     source = str(path)
     try:
         if path.suffix == ".toml":
@@ -202,18 +221,28 @@ def load_spec(path: str | Path) -> JobSpec | PairSpec:
         data = {}
     if not isinstance(data, dict):
         raise SpecError(f"{source}: spec must be a table of keys, got {type(data).__name__}")
-    a, b = data.pop("a", None), data.pop("b", None)
-    base = JobSpec.from_dict(data, source)
-    if a is None and b is None:
-        return base
-    sides = {}
-    for name, table in (("a", a), ("b", b)):
-        if table is None:
-            table = {}
-        if not isinstance(table, dict):
-            raise SpecError(f"{source}: [{name}] must be a table, got {type(table).__name__}")
-        sides[name] = table
-    return PairSpec(base, sides["a"], sides["b"], source=source)
+    return data
+
+
+def load_policies(path: str | Path) -> dict[str, str]:
+    """The spec's ``[policies]`` table, METRIC (or glob) = POLICY text, each checked by parsing.
+
+    Policies live with the job so that ``check``/``bisect``/``pair --spec`` judge the same way
+    every time; ``--policy`` flags on the command line override them per metric.
+    """
+    from parity.compare import Policy
+
+    table = _read_spec(Path(path)).get("policies", {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{path}: [policies] must be a table, got {type(table).__name__}")
+    for metric, text in table.items():
+        if not isinstance(text, str):
+            raise SpecError(f"{path}: policies.{metric!r} must be a string, got {text!r}")
+        try:
+            Policy.parse(text)
+        except ValueError as e:
+            raise SpecError(f"{path}: policies.{metric!r}: {e}") from None
+    return dict(table)
 
 
 # --- helpers -----------------------------------------------------------------------------------

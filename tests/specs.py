@@ -25,3 +25,5 @@ EPOCHS = JobSpec(world_size=2, steps=14, global_batch_size=32, micro_batch_size=
 # 46 val samples: 23 per rank, so the last val micro-batch of 4 is incomplete
 VAL46 = JobSpec(world_size=2, steps=2, overrides={"val_samples": 46})
 SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
+# 3 steps with every parameter and gradient hashed at each (worker/fingerprint.py)
+FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "all"})

@@ -78,6 +78,10 @@ def test_pair_command_catches_injected_bug(tmp_path):
     assert out["metrics"]["train/loss"]["status"] == "match"  # lr logged wrong, step taken right
     for part in ("a/metrics.jsonl", "b/metrics.jsonl", "summary.json", "summary.md"):
         assert (tmp_path / "pair" / part).exists(), part
+    summary = json.loads((tmp_path / "pair" / "summary.json").read_text())
+    assert summary["verdict"] == "diverged" and summary["b"]["spec"]["inject"] == ["lr-before-step"]
+    assert summary["a"]["metrics"].endswith("a/metrics.jsonl")  # the spec is kept beside it
+    assert summary["diagnosis"]["kind"] == "same batches, numbers differ"
 
 
 @pytest.mark.parity

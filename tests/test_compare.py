@@ -268,3 +268,109 @@ def test_table_truncates_and_puts_failures_first():
     lines = table.splitlines()
     assert lines[2].startswith("m29") and "diverged" in lines[2]
     assert lines[-1].startswith("... 25 more metrics")
+
+
+# --- policies that change with the step ----------------------------------------------------------
+
+
+def _up(x: float, n: int) -> float:
+    for _ in range(n):
+        x = math.nextafter(x, math.inf)
+    return x
+
+
+def test_step_policy_parse_and_text():
+    p = Policy.parse("exact@-3,ulp:4@4-")
+    assert p.kind == "steps" and str(p) == "exact@-3,ulp:4@4-"
+    assert [p.piece_at(s) for s in (0, 3, 4, 10**9)] == ["exact@-3"] * 2 + ["ulp:4@4-"] * 2
+    for text in ["close:1e-5,1e-8@1-5,ulp:4", "ignore@0,exact", "ulp:3@7", "ulp:1@2-4, exact@5"]:
+        assert Policy.parse(str(Policy.parse(text))) == Policy.parse(text)
+    assert str(Policy.parse("close:1e-5,1e-8@1-5,ulp:4")) == "close:1e-05,1e-08@1-5,ulp:4"
+    assert Policy.parse("ulp:3@7").piece_at(6) == "exact (no range holds the step)"
+    bad = {
+        "exact@1-5,ulp:4@5-": "overlap",
+        "exact@x": "is not N, A-B, A- or -B",
+        "exact@-": "is not N",
+        "exact,ulp:3": "more than one piece without a step range",
+        "exact@5-3": "empty step range",
+        "ulp@3": "expected exact",
+        "exact@1-5,ulp:4@6-@7": "is not N",
+        "exact@-2,ulp@3-": "expected exact",
+    }
+    for text, why in bad.items():
+        with pytest.raises(ValueError, match=f"^bad policy {text!r}: .*{why}"):
+            Policy.parse(text)
+
+
+def test_step_policy_judges_each_step_by_its_piece():
+    a = frame({"x": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]})
+    two_late = frame({"x": [1.0, 2.0, 3.0, _up(4.0, 2), 5.0, _up(6.0, 4)]})
+    assert compare_frames(a, two_late, {"x": "exact@-3,ulp:4@4-"}).ok
+    early = frame({"x": [1.0, _up(2.0, 1), 3.0, 4.0, 5.0, 6.0]})
+    c = compare_frames(a, early, {"x": "exact@-3,ulp:4@4-"})
+    x = c.metrics["x"]
+    assert x.status == "diverged" and x.first_divergent_step == 2
+    assert x.first_divergent_policy == "exact@-3" and x.policy == "exact@-3,ulp:4@4-"
+    assert (
+        "step 2 judged exact@-3" in c.table()
+        and c.to_dict()["metrics"]["x"]["first_divergent_policy"] == "exact@-3"
+    )
+    late = frame({"x": [1.0, 2.0, 3.0, 4.0, _up(5.0, 5), 6.0]})
+    x = compare_frames(a, late, {"x": "exact@-3,ulp:4@4-"}).metrics["x"]
+    assert x.first_divergent_step == 5 and x.first_divergent_policy == "ulp:4@4-"
+    assert x.divergent_steps == 1 and x.max_ulp == 5
+    # steps no range holds are exact; a fallback piece judges them instead; ignore pieces skip
+    assert not compare_frames(a, early, {"x": "ulp:9@4-"}).ok
+    assert compare_frames(a, early, {"x": "ulp:9@4-,ulp:1"}).ok
+    assert compare_frames(a, early, {"x": "ignore@2,exact"}).ok
+    assert (
+        compare_frames(a, a, {"x": "exact@1-5,ulp:4@6-"}).metrics["x"].first_divergent_policy
+        is None
+    )
+    assert compare_frames(a, early).metrics["x"].first_divergent_policy == "exact"
+
+
+def test_step_policy_is_vectorised_over_many_steps():
+    n = 200_000
+    x = np.linspace(1.0, 2.0, n)
+    y = x.copy()
+    y[n // 2 :] = np.nextafter(y[n // 2 :], np.inf)  # one ULP from the middle on
+    index = pd.RangeIndex(1, n + 1, name="step")
+    fa, fb = (pd.DataFrame({"m": v}, index=index) for v in (x, y))
+    for f in (fa, fb):
+        f.attrs["present"] = f.notna()
+    pieces = ",".join(f"exact@{i * 1000 + 1}-{(i + 1) * 1000}" for i in range(n // 2000))
+    policy = f"{pieces},ulp:1@{n // 2 + 1}-,ulp:0"
+    c = compare_frames(fa, fb, {"m": policy})
+    assert c.ok, c.table()
+    c = compare_frames(fa, fb, {"m": f"{pieces},exact@{n // 2 + 1}-,ulp:0"})
+    assert c.metrics["m"].first_divergent_step == n // 2 + 1
+
+
+def test_step_policies_on_the_command_line_and_in_a_spec(tmp_path, capsys):
+    from parity.cli import main
+    from parity.spec import SpecError, load_policies, load_spec
+
+    rows = [{"step": s, "train/loss": 1.0 / s} for s in (1, 2, 3)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    end = '{"event": "end", "steps": 3}\n'
+    a.write_text("".join(json.dumps(r) + "\n" for r in rows) + end)
+    rows[2]["train/loss"] = math.nextafter(1.0 / 3, 1.0)
+    b.write_text("".join(json.dumps(r) + "\n" for r in rows) + end)
+    assert main(["compare", str(a), str(b), "--policy", "train/loss=exact@-2,ulp:1@3-"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--policy", "train/loss=ulp:1@-2,exact@3-"]) == 1
+    assert "step 3 judged exact@3-" in capsys.readouterr().out
+    assert main(["compare", str(a), str(b), "--policy", "train/loss=exact@-2,ulp:1@2-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "overlap" in err
+
+    spec = tmp_path / "job.toml"
+    spec.write_text(
+        'task = "custom"\ncommand = ["x.py"]\n[policies]\n"train/*" = "exact@-5,ulp:4@6-"\n'
+    )
+    assert load_policies(spec) == {"train/*": "exact@-5,ulp:4@6-"}
+    assert load_spec(spec).command == ["x.py"]  # the policies table is not a job key
+    spec.write_text('task = "custom"\ncommand = ["x.py"]\n[policies]\n"train/loss" = "ulp:x"\n')
+    with pytest.raises(SpecError, match=r"job\.toml: policies\.'train/loss': bad policy 'ulp:x'"):
+        load_policies(spec)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import procs_mentioning
 
 from parity.launch import (
     LAUNCH_ID_ENV,
@@ -28,22 +29,6 @@ from parity.launch import (
 DUMMY = Path(__file__).with_name("dummy_job.py")
 
 
-def _procs_mentioning(text: str) -> list[int]:
-    """Live pids whose command line contains ``text`` (the test's unique run dir)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ")
-            state = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and text.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
     env = {"DUMMY_MODE": mode, "DUMMY_RANK": "1", "DUMMY_OUT": str(tmp_path / "out")}
     # the run dir on the worker command line lets the orphan check find the workers
@@ -53,7 +38,7 @@ def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
 
 
 def _assert_no_orphans(tmp_path: Path, result: LaunchResult) -> None:
-    assert _procs_mentioning(str(tmp_path)) == []
+    assert procs_mentioning(str(tmp_path)) == []
     assert survivors(result.launch_id) == []
 
 
@@ -240,4 +225,4 @@ def test_ctrl_c_in_parent_kills_the_job(tmp_path: Path) -> None:
         assert parent.wait(timeout=20) != 0
     finally:
         parent.kill()
-    assert _procs_mentioning(str(tmp_path)) == []
+    assert procs_mentioning(str(tmp_path)) == []

@@ -6,11 +6,14 @@ session prints the mutation score (caught / total), which must be 100%.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from specs import EPOCHS, FIXED, SEQ_MEAN, VAL46, plain
+from specs import EPOCHS, FINGERPRINTED, FIXED, SEQ_MEAN, VAL46, plain
 from test_invariance import INVARIANCE
 
 from parity.compare import Comparison, compare_frames
+from parity.diagnose import rank_agreement
 from parity.spec import PairSpec
 from worker.mutants import MUTANTS
 
@@ -28,12 +31,17 @@ CHECKS = {
     "val-drop-last": ("pair", VAL46, "val/loss", 2),
     "seq-mean-dp-scaling": ("invariance", plain(overrides=SEQ_MEAN), "train/loss", 1),
     "resume-without-optimizer": ("resume", plain(), "train/loss", 12),
+    # test_diagnose.py also traces it to model.layers.1's gradients through the fingerprints
+    "layer-grad-halved": ("pair", FINGERPRINTED, "train/grad_norm", 1),
+    "scheduler-on-rank-0-only": ("ranks", FINGERPRINTED, "train/lr", 1),
 }
-PPO_CHECKED = {"critic-never-stepped", "reward-missing-engine"}  # in test_ppo_parity.py
+# checked in test_ppo_parity.py
+PPO_CHECKED = {"critic-never-stepped", "reward-missing-engine", "reward-at-first-token"}
+NOISE_CHECKED = {"sampler-seed-from-time"}  # in test_noise_floor.py (A vs A, not A vs B)
 
 
 def test_every_mutant_has_a_check():
-    assert set(MUTANTS) == set(CHECKS) | PPO_CHECKED
+    assert set(MUTANTS) == set(CHECKS) | PPO_CHECKED | NOISE_CHECKED
 
 
 def _check(runner, mutant: str) -> Comparison:
@@ -50,6 +58,10 @@ def _check(runner, mutant: str) -> Comparison:
         state = str(full.dir / "state_step10")
         resumed = runner.job(plain(overrides={"resume": state}, inject=[mutant]))
         return compare_frames(full.metrics.loc[11:], resumed.metrics)
+    if kind == "ranks":  # one job: each rank's own record of the reduced metrics vs rank 0's
+        agreement = rank_agreement(runner.job(dataclasses.replace(base, inject=[mutant])).dir)
+        first = agreement.disagreements[0].rank if agreement.disagreements else 1
+        return agreement.comparisons[first]
     raise AssertionError(kind)
 
 

@@ -105,3 +105,36 @@ def test_policy_and_value_terms():
 def test_mini_batch_must_divide_the_global_batch(tmp_path):
     with pytest.raises(SystemExit, match="does not divide the global batch 8"):
         parse_config(["--out", str(tmp_path), "--ppo-mini-batch-size", "3"])
+
+
+def test_prompts_are_those_whose_answer_fits_the_generation_budget(tmp_path):
+    from worker.data.charcount import TOKENIZER_DIR, load_tokenizer
+    from worker.ppo_common import answerable_prompts
+
+    tok = load_tokenizer(TOKENIZER_DIR)
+    samples = read_jsonl(DATA_DIR / "train.jsonl")
+    cfg = PPOConfig(out=tmp_path)
+    kept = answerable_prompts(samples, tok, cfg)
+    assert 0 < len(kept) < len(samples)
+    for s in samples:
+        n = len(tok(s["messages"][1]["content"], add_special_tokens=False)["input_ids"]) + 1
+        assert (s in kept) == (n <= cfg.max_new_tokens)
+    assert answerable_prompts(samples, tok, PPOConfig(out=tmp_path, max_new_tokens=48)) == []
+
+
+def test_warm_start_actor_is_the_recorded_sft_of_the_tiny_model():
+    import json
+
+    from worker.model import TINY_MODEL_DIR, weights_sha256
+    from worker.warm_start import RECIPE, WARM_MODEL_DIR
+
+    recipe = json.loads((WARM_MODEL_DIR / "recipe.json").read_text())
+    assert recipe["sft_args"] == RECIPE
+    assert recipe["base_model_sha256"] == weights_sha256(TINY_MODEL_DIR)
+    assert recipe["weights_sha256"] == weights_sha256(WARM_MODEL_DIR)
+    assert PPOConfig(out=None).model == WARM_MODEL_DIR  # PPO starts from it by default
+    base = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    warm = json.loads((WARM_MODEL_DIR / "config.json").read_text())
+    assert {k: v for k, v in warm.items() if k != "use_cache"} == {
+        k: v for k, v in base.items() if k != "use_cache"
+    }

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,14 @@ from hypothesis import strategies as st
 
 from parity.readers import (
     _STEP_LINE,
+    _STEP_LINE_B,
     FORMATS,
     IncompleteRunError,
     MetricsError,
     _console_fast,
     _console_slow,
+    _step_text,
+    _steps_are_digits,
     present_mask,
     read_metrics,
     write_metrics,
@@ -219,6 +223,47 @@ def test_console_fast_path_never_disagrees(lines):
     if fast is not None:
         fast[0].attrs["present"], slow[0].attrs["present"] = fast[1], slow[1]
         assert_same_frame(fast[0], slow[0])
+
+
+STEP_TEXT_LINES = [
+    "step:1 - a:1",
+    "step:12 - a:1 - b:2",
+    "(TaskRunner pid=1) step:3 - a:1",
+    "\tstep:4 - a:1",
+    "timestep:5 - a:1",
+    "x step:6 - a:1 step:7 - b:1",
+    "step:8",
+    "step:007 - a:1",
+    "step:1.0 - a:1",
+    "step:9 -a:1",
+    "noise",
+    "",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.sampled_from(STEP_TEXT_LINES) | near_valid_line(), max_size=8))
+def test_step_lines_found_by_numpy_are_the_regex_lines(lines):
+    """The numpy line finder takes every `step:` to its line end, or declines; with the digits
+    check that the parsed steps then pass, that is exactly the regex's lines."""
+    raw = "\n".join(lines).encode()
+    found = _step_text(raw)
+    if found is None:
+        return
+    text, at = found
+    assert list(at) == [m.start() for m in re.finditer(rb"step:", raw)]
+    candidates = [raw[a:].split(b"\n", 1)[0] for a in at]
+    assert text == b"\n".join(candidates)
+    heads = [c[5:].split(b" - ", 1)[0] for c in candidates]
+    try:
+        steps = np.array([float(h) for h in heads])
+    except ValueError:
+        return  # the C parser refuses these too
+    regex = all(re.match(rb"[0-9]+ - ", c[5:]) for c in candidates)
+    plain = all(re.fullmatch(rb"0|[1-9][0-9]{0,15}", h) and int(h) < 2**53 for h in heads)
+    assert _steps_are_digits(raw, at, steps) == (regex and plain)
+    if regex:
+        assert text == b"\n".join(_STEP_LINE_B.findall(raw))
 
 
 def _write(tmp_path, name, text):

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import oracle_val_loss
 from safetensors.torch import load_file
 from specs import DDP_PADDED, DYNAMIC, FIXED, plain
 
@@ -36,8 +37,10 @@ BITWISE = [
 
 
 def _pair(runner, base: JobSpec, inject_b: list[str] | None = None):
+    """Clean pairs run in one launch (bitwise two launches: tests/test_inprocess.py) unless the
+    runner has either side already; a mutant in B needs a launch of its own."""
     b = {"trainer": "worker", "inject": inject_b or []}
-    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b))
+    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=not inject_b)
 
 
 @pytest.mark.parametrize(
@@ -85,25 +88,6 @@ def test_any_local_hf_model_folder(parity_runner, tmp_path):
 
 
 # --- val loss: the fixed value against an independent float64 oracle ---------------------------
-
-
-def oracle_val_loss(weights: dict[str, torch.Tensor] | None = None) -> float:
-    """Token-weighted mean NLL over the whole val set, one sample at a time, in float64."""
-    model = load_model(attn="eager").double()
-    if weights is not None:
-        model.load_state_dict({k: v.double() for k, v in weights.items()}, strict=False)
-    tok = load_tokenizer()
-    nll_sum, tokens = 0.0, 0
-    with torch.no_grad():
-        for sample in read_jsonl(DATA_DIR / "val.jsonl"):
-            mb = collate([encode(sample, tok, 512)])
-            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), mb.labels.reshape(-1), reduction="none"
-            )
-            nll_sum += float((nll * mb.loss_mask.reshape(-1)).sum())
-            tokens += mb.num_loss_tokens
-    return nll_sum / tokens
 
 
 def test_first_step_loss_matches_float64_oracle(parity_runner):

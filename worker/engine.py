@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from worker.data.batching import MicroBatch
 from worker.distributed import Dist
+from worker.fingerprint import DataDigest, model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,17 @@ class Engine:
         self.num_params = sum(p.numel() for p in model.parameters())
         if kind == "fsdp2":  # parameters are shards; count the full tensors
             self.num_params = sum(p.full_tensor().numel() for p in model.parameters())
+        # diagnosis (worker.fingerprint), off unless a job turns it on: a digest of the batches
+        # each forward runs, and parameter/gradient hashes at the steps a job names
+        self.data_digest: DataDigest | None = None
+        self.fingerprint_steps: list[int] | str = []  # or "all"
+        self.current_step: int | None = None  # set by the job before each training step
+        self.fingerprints: dict[int, dict] = {}  # step -> model_fingerprint, until the job takes it
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits of one micro-batch."""
+        if self.data_digest is not None:
+            self.data_digest.add("train" if torch.is_grad_enabled() else "val", mb)
         return self.module(**mb.model_inputs(self.dist.device)).logits
 
     def zero_grad(self) -> None:
@@ -86,10 +95,21 @@ class Engine:
 
     def clip_grad_norm(self) -> torch.Tensor:
         """Global pre-clip gradient norm over all shards and ranks; clips in place."""
+        self._fingerprint()
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.optim_config.clip_grad)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return norm
+
+    def _fingerprint(self) -> None:
+        """Hash weights (before this step's update) and pre-clip gradients, once per chosen step.
+
+        Every rank gets here together (clip is collective), as full_tensor() requires.
+        """
+        step, chosen = self.current_step, self.fingerprint_steps
+        if step is None or step in self.fingerprints or (chosen != "all" and step not in chosen):
+            return
+        self.fingerprints[step] = model_fingerprint(self.model.named_parameters())
 
     def step(self, grad_norm: torch.Tensor) -> bool:
         """Optimizer step unless the norm is not finite (then the gradients are dropped).
@@ -117,7 +137,9 @@ class Engine:
     def load(self, path: Path) -> dict:
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        from worker.safe_checkpoint import SafeFileSystemReader  # metadata: no arbitrary pickle
+
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path / "dcp")))
         set_state_dict(
             self.module,
             self.optimizer,

@@ -39,7 +39,7 @@ def load_model(path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa") -> torch.n
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn
+        str(path), dtype=torch.float32, attn_implementation=attn, use_safetensors=True
     )
     model.config.use_cache = False
     return model
@@ -59,7 +59,11 @@ def load_value_model(
     config = AutoConfig.from_pretrained(str(path), num_labels=1)
     config.classifier_dropout = 0.0
     model = AutoModelForTokenClassification.from_pretrained(
-        str(path), config=config, dtype=torch.float32, attn_implementation=attn
+        str(path),
+        config=config,
+        dtype=torch.float32,
+        attn_implementation=attn,
+        use_safetensors=True,  # never a pickled .bin
     )
     model.config.use_cache = False
     gen = torch.Generator().manual_seed(seed)

@@ -161,6 +161,74 @@ def reward_missing_engine() -> None:
     PPOTrainer.reward_slot = staticmethod(lambda cfg: f"{cfg.reward_model}-engine")
 
 
+def scheduler_on_rank_zero_only() -> None:
+    """The lr scheduler stepped inside a rank-0-only branch: other ranks keep the first lr.
+
+    Rank 0's own metrics stay right until the other ranks' updates drift; rank agreement names
+    rank 1 at step 1 (its lr never moves).
+    """
+    from worker.engine import Engine
+
+    original = Engine.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.dist.rank != 0:
+            self.scheduler.step = lambda *a, **k: None
+
+    Engine.__init__ = __init__
+
+
+def layer_grad_halved() -> None:
+    """A per-layer gradient multiplier (layer-wise decay done on the gradients) applied to
+    model.layers.1 by mistake: that layer's gradients are halved before clipping."""
+    from worker.engine import Engine
+
+    original = Engine.clip_grad_norm
+
+    def clip_grad_norm(self):
+        for name, p in self.model.named_parameters():
+            if name.startswith("model.layers.1.") and p.grad is not None:
+                p.grad.mul_(0.5)
+        return original(self)
+
+    Engine.clip_grad_norm = clip_grad_norm
+
+
+def sampler_seed_from_time() -> None:
+    """The shuffle seed taken from the clock instead of --seed: every run sees another order.
+
+    Nothing about A vs B is wrong here; the noise floor (A run twice) is what must catch it.
+    """
+    import time
+
+    from torch.utils.data import DistributedSampler
+
+    original = DistributedSampler.__init__
+
+    def __init__(self, *args, **kwargs):
+        kwargs["seed"] = time.time_ns() % 2**31
+        original(self, *args, **kwargs)
+
+    DistributedSampler.__init__ = __init__
+
+
+def reward_at_first_token() -> None:
+    """The sequence score added to the first response token's reward instead of the last.
+
+    Invisible while every score is 0 (an untrained actor never answers): only a PPO run whose
+    rewards vary can catch it.
+    """
+    import worker.ppo_common as ppo_common
+
+    def token_rewards(kl, score, kl_coef):
+        rewards = -kl_coef * kl
+        rewards[0] += score
+        return rewards
+
+    ppo_common.token_rewards = token_rewards
+
+
 MUTANTS = {
     "old-val-loss": ("val/loss as the mean of micro-batch losses", old_val_loss),
     "lr-before-step": ("train/lr logged before the scheduler step", lr_before_step),
@@ -188,8 +256,24 @@ MUTANTS = {
         "PPO critic built but its optimizer never steps",
         critic_never_stepped,
     ),
+    "reward-at-first-token": (
+        "PPO score placed on the first response token instead of the last",
+        reward_at_first_token,
+    ),
     "reward-missing-engine": (
         "PPO reward slot wired to a reward model with no implementation",
         reward_missing_engine,
+    ),
+    "scheduler-on-rank-0-only": (
+        "lr scheduler stepped on rank 0 only: the other ranks keep the first lr",
+        scheduler_on_rank_zero_only,
+    ),
+    "layer-grad-halved": (
+        "gradients of model.layers.1 halved before clipping (a misplaced per-layer multiplier)",
+        layer_grad_halved,
+    ),
+    "sampler-seed-from-time": (
+        "data shuffle seeded from the clock: no two runs alike (caught by the noise floor)",
+        sampler_seed_from_time,
     ),
 }

@@ -18,7 +18,8 @@ from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import config_from_args, job_arg_parser
 from worker.metrics_log import MetricsLog, write_manifest
-from worker.model import TINY_MODEL_DIR, load_model, load_value_model
+from worker.model import load_model, load_value_model
+from worker.warm_start import WARM_MODEL_DIR
 
 
 @dataclass
@@ -35,9 +36,9 @@ class PPOConfig:
     packed: bool = True
     ppo_mini_batch_size: int = 0  # prompts per optimizer step; 0: half the global batch
     ppo_epochs: int = 2
-    max_new_tokens: int = 48
+    max_new_tokens: int = 96  # also selects the prompts: those whose answer fits
     temperature: float = 1.0
-    lr: float = 1e-3
+    lr: float = 1e-4  # the actor starts from an SFT model: a gentler step than the critic's
     critic_lr: float = 1e-3
     warmup_ratio: float = 0.1
     min_lr_ratio: float = 0.1
@@ -49,7 +50,7 @@ class PPOConfig:
     gamma: float = 1.0
     lam: float = 0.95
     reward_model: str = "rule"
-    model: Path = TINY_MODEL_DIR
+    model: Path = WARM_MODEL_DIR  # the SFT-warmed actor: rewards are not all zero
     tokenizer: Path = TOKENIZER_DIR
     data: Path = DATA_DIR
     attn: str = "sdpa"
@@ -86,7 +87,7 @@ def parse_config(argv: list[str] | None = None) -> PPOConfig:
     p = job_arg_parser("python -m worker.ppo", "charcount PPO job", PPOConfig)
     p.add_argument("--ppo-mini-batch-size", type=int, default=0)
     p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--critic-lr", type=float, default=1e-3)
     p.add_argument("--clip-ratio", type=float, default=0.2)
@@ -150,9 +151,13 @@ class PPOJob:
             )
         determinism = set_determinism(cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
-        prompts = read_jsonl(cfg.data / "train.jsonl")
+        prompts = answerable_prompts(read_jsonl(cfg.data / "train.jsonl"), tokenizer, cfg)
         if len(prompts) < cfg.global_batch_size:
-            raise SystemExit(f"error: {len(prompts)} prompts, fewer than one global batch")
+            raise SystemExit(
+                f"error: {cfg.data / 'train.jsonl'}: {len(prompts)} prompts whose reference answer "
+                f"fits in --max-new-tokens {cfg.max_new_tokens}, fewer than one global batch of "
+                f"{cfg.global_batch_size}"
+            )
         actor = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(cfg.lr), d)
         critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed)
         critic = Engine(critic_model, cfg.engine, cfg.optim(cfg.critic_lr), d)
@@ -179,6 +184,18 @@ class PPOJob:
         )
         for step, epoch, chosen in order:
             yield step, epoch, [self.prompts[i] for i in chosen]
+
+
+def answerable_prompts(samples: list[dict], tokenizer, cfg: PPOConfig) -> list[dict]:
+    """The samples whose reference answer (plus eos) fits in max_new_tokens, in file order.
+
+    A response cut before its `\\boxed{k}` can never earn a reward, so a prompt whose answer
+    cannot fit only adds zeros to `reward/mean`.
+    """
+    answers = [s["messages"][1]["content"] for s in samples]
+    lengths = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    fits = [len(ids) + 1 <= cfg.max_new_tokens for ids in lengths]  # + 1: the eos token
+    return [s for s, ok in zip(samples, fits, strict=True) if ok]
 
 
 # --- rollout ------------------------------------------------------------------------------------
@@ -268,6 +285,13 @@ def _global_sum(values: list[float], device: torch.device) -> list[float]:
     return all_reduce_sum(torch.tensor(values, dtype=torch.float64), device).tolist()
 
 
+def token_rewards(kl: torch.Tensor, score: float, kl_coef: float) -> torch.Tensor:
+    """Per response token: the KL penalty, plus the sequence's score on its last token."""
+    rewards = -kl_coef * kl
+    rewards[-1] += score
+    return rewards
+
+
 def compute_advantages(
     job: PPOJob, samples: list[RolloutSample], scores: list[float]
 ) -> dict[str, float]:
@@ -279,8 +303,7 @@ def compute_advantages(
         pos = response_positions(s)
         values = s.extras["values"][pos]
         kl = s.extras["old_log_probs"][pos] - s.extras["ref_log_probs"][pos]
-        rewards = -cfg.kl_coef * kl
-        rewards[-1] += score
+        rewards = token_rewards(kl, score, cfg.kl_coef)
         adv = torch.zeros_like(values)
         last = torch.zeros(())
         for t in range(len(pos) - 1, -1, -1):

@@ -6,8 +6,12 @@ and metric code in legacy_sft.py and sft.py.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 from worker.data.batching import BatchingConfig, step_order
 from worker.data.charcount import (
@@ -22,6 +26,7 @@ from worker.determinism import set_determinism
 from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import config_from_args, job_arg_parser
+from worker.fingerprint import DataDigest
 from worker.metrics_log import MetricsLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
 
@@ -55,6 +60,7 @@ class SFTConfig:
     save_state_at: list[int] = field(default_factory=list)
     resume: Path | None = None
     save_final: bool = False
+    fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
 
     def batching(self) -> BatchingConfig:
         return BatchingConfig(
@@ -93,6 +99,8 @@ def validate(cfg: SFTConfig) -> None:
     """Impossible settings fail before any rank starts training, in one line."""
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps must be >= 1, got {cfg.steps}")
+    if cfg.val_samples < 0:  # val[:-1] would silently drop samples
+        raise SystemExit(f"error: --val-samples must be >= 0 (0: all), got {cfg.val_samples}")
     if not (cfg.model / "config.json").exists():
         raise SystemExit(f"error: {cfg.model}: not a model folder (no config.json)")
     for split in ("train", "val"):
@@ -109,7 +117,7 @@ class SFTJob:
     engine: Engine
     train: list[Encoded]
     val: list[Encoded]
-    log: MetricsLog
+    log: JobLog
 
     @classmethod
     def build(cls, cfg: SFTConfig) -> SFTJob:
@@ -137,11 +145,14 @@ class SFTJob:
             )
         if len(val) < d.world:
             raise SystemExit(
-                f"error: {cfg.data / 'val.jsonl'}: {len(val)} val samples for {d.world} ranks"
+                f"error: {cfg.data / 'val.jsonl'}: {len(val)} val samples for {d.world} ranks "
+                f"(--val-samples {cfg.val_samples}): every rank needs at least one"
             )
         model = load_model(cfg.model, attn=cfg.attn)
         engine = Engine(model, cfg.engine, cfg.optim(), d)
-        log = MetricsLog(cfg.out, enabled=d.rank == 0, append=cfg.resume is not None)
+        engine.data_digest = DataDigest()
+        engine.fingerprint_steps = cfg.fingerprint_steps
+        log = JobLog(cfg.out, d.rank, engine, append=cfg.resume is not None)
         job = cls(cfg, d, engine, train, val, log)
         if d.rank == 0:
             job.write_manifest(determinism)
@@ -160,6 +171,7 @@ class SFTJob:
         steps = range(start_step, cfg.steps + 1)
         order = step_order(len(self.train), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps)
         for step, epoch, chosen in order:
+            self.engine.current_step = step  # which step a fingerprint belongs to
             yield step, epoch, [self.train[i] for i in chosen]
 
     def is_val_step(self, step: int) -> bool:
@@ -172,5 +184,74 @@ class SFTJob:
         state = self.engine.full_state_dict()
         if self.dist.rank == 0:
             tmp = self.cfg.out / ".final.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+            # clone: tied weights (embeddings = lm_head) share storage at world size 1, which
+            # safetensors refuses to write
+            save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp))
             tmp.replace(self.cfg.out / "final.safetensors")
+
+
+class JobLog(MetricsLog):
+    """metrics.jsonl as before (rank 0, unchanged), plus what `parity.diagnose` reads.
+
+    Every rank writes ranks/rank{r}.jsonl: its own post-reduction metrics (which must equal rank
+    0's bit for bit) and, in `_meta.data`, a digest of the micro-batches it trained on and
+    evaluated that step. Rank 0 writes fingerprints.jsonl at the --fingerprint-steps. Both end
+    with an end record like metrics.jsonl, so a killed run's files read as incomplete.
+    """
+
+    def __init__(self, out_dir: Path, rank: int, engine: Engine, append: bool = False):
+        super().__init__(out_dir, enabled=rank == 0, append=append)
+        self.engine = engine
+        mode = "a" if append else "w"
+        (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        self._paths = [out_dir / "ranks" / f"rank{rank}.jsonl"]
+        if rank == 0 and engine.fingerprint_steps:
+            self._paths.append(out_dir / "fingerprints.jsonl")
+        self._files: list[TextIO] = [open(p, mode, encoding="utf-8") for p in self._paths]
+
+    def log(self, step: int, metrics: dict[str, float], meta: dict | None = None) -> None:
+        super().log(step, metrics, meta)
+        data = self.engine.data_digest.take() if self.engine.data_digest is not None else {}
+        extra: dict[str, Any] = {"data": data}
+        if meta and "epoch" in meta:
+            extra["epoch"] = meta["epoch"]
+        self._write(0, {"step": step, **metrics, "_meta": extra})
+        fingerprint = self.engine.fingerprints.pop(step, None)
+        if fingerprint is not None and len(self._files) > 1:
+            self._write(1, {"step": step, **fingerprint})
+
+    def _write(self, i: int, record: dict) -> None:
+        self._files[i].write(json.dumps(record) + "\n")
+        self._files[i].flush()
+
+    def resume_at(self, step: int) -> None:
+        """Drop records from `step` on, as metrics.jsonl does, so a resumed run reads as one."""
+        super().resume_at(step)
+        for f in self._files:
+            f.close()
+        for path in self._paths:
+            kept = []
+            for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+                try:
+                    s = json.loads(line).get("step")
+                except ValueError:
+                    continue  # a truncated last line of a killed run
+                if s is not None and s < step:
+                    kept.append(line)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+            os.replace(tmp, path)
+        self._files = [open(p, "a", encoding="utf-8") for p in self._paths]
+
+    def finish(self, steps: int) -> None:
+        for i in range(len(self._files)):
+            self._write(i, {"event": "end", "steps": steps})
+        super().finish(steps)  # rank 0's end record last: metrics.jsonl says the run is done
+        self.close()
+
+    def close(self) -> None:
+        super().close()
+        for f in self._files:
+            if not f.closed:
+                f.close()

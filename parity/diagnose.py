@@ -1,0 +1,540 @@
+"""Diagnosis beyond the verdict: *why* two runs part, and which rank breaks ranks within one run.
+
+It reads only the files a job writes next to metrics.jsonl (worker/trainers/common.py JobLog):
+
+- ``ranks/rank{r}.jsonl``: every rank's own post-reduction metrics (metrics.jsonl format) and,
+  in ``_meta.data``, a digest of the micro-batches it trained on (``train``) and evaluated
+  (``val``) that step. Equal digests in A and B mean the same token ids, labels, positions and
+  loss masks in the same micro-batches, so a divergence is either "batches differ from step k"
+  (data order, sampler, packing) or "same batches, numbers differ from step k" (numerics).
+- ``fingerprints.jsonl``: rank 0's hash of every full parameter (before the step's update) and
+  pre-clip gradient at the ``--fingerprint-steps``: the first step and the tensors that differ
+  point at a layer.
+
+Rank agreement: metrics reduced over ranks (loss, lr, grad_norm, token counts) must be bitwise
+equal on every rank; a rank whose own record disagrees with rank 0's is named. A run without
+these files (another trainer's log) is "unavailable", never an error; a malformed file is a
+one-line error naming the file and line, kept in ``errors`` so the verdict still stands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from parity.compare import Comparison, compare_frames
+from parity.readers import MetricsError, read_metrics
+
+__all__ = [
+    "DataDiff",
+    "Diagnosis",
+    "DiagnosisError",
+    "FingerprintDiff",
+    "RankAgreement",
+    "RankDisagreement",
+    "diagnose",
+    "rank_agreement",
+    "read_fingerprints",
+    "read_rank_data",
+    "run_folder",
+]
+
+RANKS_DIR, FINGERPRINTS = "ranks", "fingerprints.jsonl"
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
+MAX_NAMES = 3  # tensor names quoted in one line
+
+
+class DiagnosisError(MetricsError):
+    """A diagnosis file that cannot be read; the message names the file and line."""
+
+
+def run_folder(path: str | os.PathLike[str]) -> Path | None:
+    """The run folder of a run folder or of a metrics file in one (None for a bare log file)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    parent = p.parent
+    has = (parent / RANKS_DIR).is_dir() or (parent / FINGERPRINTS).is_file()
+    return parent if has else None
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def _records(path: Path) -> tuple[list[tuple[int, dict]], bool]:
+    """(line number, record) of a JSONL file with an optional end record; complete or not.
+
+    A last line cut off mid-write (no newline) is dropped and makes the file incomplete.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DiagnosisError(f"{path}: cannot read: {e}") from None
+    lines = text.split("\n")
+    out: list[tuple[int, dict]] = []
+    seen: dict[int, int] = {}
+    end: int | None = None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if end is not None:
+            raise DiagnosisError(f"{path}:{lineno}: record after the end record of line {end}")
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            if lineno == len(lines):  # no newline after it: the writer was cut off
+                return out, False
+            raise DiagnosisError(f"{path}:{lineno}: not valid JSON: {e}") from None
+        if not isinstance(rec, dict):
+            raise DiagnosisError(f"{path}:{lineno}: record is not a JSON object")
+        if "event" in rec:
+            if rec.get("event") != "end":
+                raise DiagnosisError(f"{path}:{lineno}: unknown event {rec.get('event')!r}")
+            end = lineno
+            continue
+        step = rec.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise DiagnosisError(f"{path}:{lineno}: 'step' must be a non-negative integer")
+        if step in seen:
+            raise DiagnosisError(f"{path}:{lineno}: duplicate step {step} (line {seen[step]})")
+        seen[step] = lineno
+        out.append((lineno, rec))
+    return out, end is not None
+
+
+def _rank_files(run_dir: Path) -> dict[int, Path]:
+    folder = run_dir / RANKS_DIR
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for p in folder.iterdir():
+        m = _RANK_FILE.fullmatch(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def read_rank_data(run_dir: str | os.PathLike[str]) -> dict[int, dict[int, dict[str, dict]]]:
+    """rank -> step -> {"train"|"val": {"hash", "micro_batches", "tokens", "loss_tokens"}}.
+
+    {} when the run has no ranks/ folder; DiagnosisError on a malformed record.
+    """
+    out: dict[int, dict[int, dict[str, dict]]] = {}
+    for rank, path in _rank_files(Path(run_dir)).items():
+        steps: dict[int, dict[str, dict]] = {}
+        for lineno, rec in _records(path)[0]:
+            meta = rec.get("_meta", {})
+            data = meta.get("data", {}) if isinstance(meta, dict) else None
+            where = f"{path}:{lineno}: step {rec['step']}"
+            if not isinstance(data, dict):
+                raise DiagnosisError(f"{where}: _meta.data is not a JSON object")
+            for kind, d in data.items():
+                if not isinstance(d, dict) or not isinstance(d.get("hash"), str):
+                    raise DiagnosisError(f"{where}: _meta.data.{kind}.hash is not a string")
+            steps[rec["step"]] = data
+        out[rank] = steps
+    return out
+
+
+def read_fingerprints(path: str | os.PathLike[str]) -> dict[int, dict[str, dict[str, Any]]]:
+    """step -> {"params": {name: hash}, "grads": {name: hash or None}} from fingerprints.jsonl."""
+    path = Path(path)
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for lineno, rec in _records(path)[0]:
+        for key in ("params", "grads"):
+            table = rec.get(key)
+            if not isinstance(table, dict) or not all(
+                isinstance(v, str) or v is None for v in table.values()
+            ):
+                raise DiagnosisError(
+                    f"{path}:{lineno}: step {rec['step']}: {key!r} must map names to hashes"
+                )
+        out[rec["step"]] = {"params": rec["params"], "grads": rec["grads"]}
+    return out
+
+
+# --- results ------------------------------------------------------------------------------------
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, dict):
+        return {k: _json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json(x) for x in v]
+    return v
+
+
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+@dataclass
+class DataDiff:
+    """Where the batches of A and B first differ, for training ("train") or evaluation ("val")."""
+
+    kind: str
+    status: Literal["same", "differ", "unavailable"] = "unavailable"
+    steps_compared: int = 0
+    first_step: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    detail: str = ""  # counts at the first differing step, or why it is unavailable
+
+    def line(self) -> str:
+        what = "batches" if self.kind == "train" else f"{self.kind} batches"
+        if self.status == "differ":
+            return (
+                f"{what} differ from step {self.first_step} ({_ranks(self.ranks)}): {self.detail}"
+            )
+        if self.status == "same":
+            return f"{what} identical at all {self.steps_compared} steps compared"
+        return f"{what}: {self.detail}" if self.detail else ""
+
+
+@dataclass
+class FingerprintDiff:
+    """First fingerprinted step where weights or gradients differ, and which tensors."""
+
+    status: Literal["same", "differ", "unavailable"] = "unavailable"
+    steps_compared: list[int] = field(default_factory=list)
+    first_weight_step: int | None = None
+    weight_tensors: list[str] = field(default_factory=list)
+    first_grad_step: int | None = None
+    grad_tensors: list[str] = field(default_factory=list)
+    total_tensors: int = 0
+    detail: str = ""
+
+    @property
+    def root(self) -> tuple[str, int, list[str]] | None:
+        """The earliest difference: weights at step k come before gradients at step k."""
+        events = []
+        if self.first_weight_step is not None:
+            events.append((self.first_weight_step, 0, "weights", self.weight_tensors))
+        if self.first_grad_step is not None:
+            events.append((self.first_grad_step, 1, "gradients", self.grad_tensors))
+        if not events:
+            return None
+        step, _, what, names = min(events, key=lambda e: (e[0], e[1]))
+        return what, step, names
+
+    def line(self) -> str:
+        steps = _span(self.steps_compared)
+        if self.status == "unavailable":
+            return f"fingerprints: {self.detail}" if self.detail else ""
+        if self.status == "same":
+            return f"weights and gradients identical at fingerprinted steps {steps}"
+        what, step, names = self.root  # type: ignore[misc]
+        if len(names) >= self.total_tensors:
+            text = f"{what} first differ at step {step} in all {len(names)} tensors"
+        else:
+            prefix = _common_prefix(names)
+            under = f" under {prefix}" if prefix else ""
+            shown = ", ".join(names[:MAX_NAMES]) + (", ..." if len(names) > MAX_NAMES else "")
+            text = (
+                f"{what} first differ at step {step} in {len(names)} of {self.total_tensors} "
+                f"tensors{under}: {shown}"
+            )
+        other = (
+            ("weights", self.first_weight_step)
+            if what == "gradients"
+            else ("gradients", self.first_grad_step)
+        )
+        if other[1] is not None:
+            text += f"; {other[0]} from step {other[1]}"
+        return text + f" (fingerprinted steps {steps})"
+
+
+def _span(steps: list[int]) -> str:
+    """1, 5, 10 -> "1, 5, 10"; 1..20 -> "1-20": a short list of steps for one line."""
+    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}-{steps[-1]}"
+    shown = ", ".join(map(str, steps[:8]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > 8 else "")
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The longest dotted module path every name starts with ("" if none or only one name)."""
+    if len(names) < 2:
+        return ""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for group in zip(*parts, strict=False):
+        if len(set(group)) != 1:
+            break
+        common.append(group[0])
+    return ".".join(common)
+
+
+@dataclass
+class RankDisagreement:
+    """A rank whose post-reduction value of a metric is not rank 0's, first at `step`."""
+
+    rank: int
+    metric: str
+    step: int
+    value: float | None
+    rank0_value: float | None
+
+    def line(self, side: str = "") -> str:
+        where = f"{side}: " if side else ""
+        return (
+            f"{where}rank {self.rank} disagrees with rank 0 on {self.metric} from step "
+            f"{self.step} ({self.value!r} vs {self.rank0_value!r})"
+        )
+
+
+@dataclass
+class RankAgreement:
+    """Whether every rank of one run recorded rank 0's reduced metrics, bit for bit."""
+
+    run_dir: str
+    status: Literal["agree", "disagree", "unavailable"] = "unavailable"
+    ranks: int = 0
+    disagreements: list[RankDisagreement] = field(default_factory=list)
+    comparisons: dict[int, Comparison] = field(default_factory=dict)  # rank -> vs rank 0
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json(
+            {
+                "run_dir": self.run_dir,
+                "status": self.status,
+                "ranks": self.ranks,
+                "disagreements": [vars(d).copy() for d in self.disagreements],
+                "detail": self.detail,
+            }
+        )
+
+
+def rank_agreement(run_dir: str | os.PathLike[str]) -> RankAgreement:
+    """Compare every rank's own metrics record with rank 0's (exact; timing metrics ignored).
+
+    Raises DiagnosisError (or MetricsError) naming the file and line of a malformed rank file.
+    """
+    run_dir = Path(run_dir)
+    files = _rank_files(run_dir)
+    result = RankAgreement(str(run_dir), ranks=len(files))
+    if 0 not in files:
+        result.detail = f"no {RANKS_DIR}/rank0.jsonl in {run_dir}"
+        return result
+    base = read_metrics(files[0], "jsonl")
+    for rank, path in files.items():
+        if rank == 0:
+            continue
+        comparison = compare_frames(
+            base, read_metrics(path, "jsonl"), allow_incomplete=True, allow_missing=True
+        )
+        result.comparisons[rank] = comparison
+        bad = [m for m in comparison.failures if m.first_divergent_step is not None]
+        if bad:
+            m = min(bad, key=lambda m: (m.first_divergent_step, m.name))
+            step = m.first_divergent_step
+            assert step is not None
+            result.disagreements.append(RankDisagreement(rank, m.name, step, m.b_value, m.a_value))
+    result.status = "disagree" if result.disagreements else "agree"
+    return result
+
+
+# --- A against B --------------------------------------------------------------------------------
+
+
+def _counts(d: dict | None) -> str:
+    if not d:
+        return "nothing"
+    return f"{d.get('micro_batches')} micro-batches, {d.get('tokens')} tokens"
+
+
+def compare_data(
+    a: dict[int, dict[int, dict]], b: dict[int, dict[int, dict]], kind: str
+) -> DataDiff:
+    """First step where any rank's `kind` digest differs between A and B (same world size only)."""
+    out = DataDiff(kind)
+    if not a or not b:
+        out.detail = f"no {RANKS_DIR}/ digests in {'a' if not a else 'b'}"
+        return out
+    if set(a) != set(b):
+        out.detail = (
+            f"world sizes differ ({len(a)} vs {len(b)} ranks): per-rank batches not comparable"
+        )
+        return out
+    steps = sorted(set.intersection(*(set(s) for s in [*a.values(), *b.values()])))
+    compared = 0
+    for step in steps:
+        entries = {r: (a[r][step].get(kind), b[r][step].get(kind)) for r in sorted(a)}
+        if all(x is None and y is None for x, y in entries.values()):
+            continue  # no such batches this step on either side (e.g. no val)
+        compared += 1
+        differ = [
+            r for r, (x, y) in entries.items() if (x or {}).get("hash") != (y or {}).get("hash")
+        ]
+        if differ:
+            r = differ[0]
+            x, y = entries[r]
+            out.status, out.first_step, out.ranks = "differ", step, differ
+            out.steps_compared = compared
+            out.detail = f"rank {r} ran {_counts(x)} in a, {_counts(y)} in b"
+            return out
+    out.status, out.steps_compared = ("same", compared) if compared else ("unavailable", 0)
+    if not compared:
+        out.detail = f"no {kind} digests recorded"
+    return out
+
+
+def compare_fingerprints(a_dir: Path | None, b_dir: Path | None) -> FingerprintDiff:
+    """First fingerprinted step where A's and B's weights, then gradients, differ."""
+    out = FingerprintDiff()
+    have = [d is not None and (d / FINGERPRINTS).is_file() for d in (a_dir, b_dir)]
+    if not any(have):
+        return out
+    if not all(have):
+        side = "b" if have[0] else "a"
+        out.detail = f"no {FINGERPRINTS} in {side} (run it with --fingerprint-steps)"
+        return out
+    assert a_dir is not None and b_dir is not None
+    fa, fb = read_fingerprints(a_dir / FINGERPRINTS), read_fingerprints(b_dir / FINGERPRINTS)
+    out.steps_compared = sorted(set(fa) & set(fb))
+    if not out.steps_compared:
+        out.detail = "no step fingerprinted on both sides"
+        return out
+    for step in out.steps_compared:
+        for key, first, names in (
+            ("params", "first_weight_step", "weight_tensors"),
+            ("grads", "first_grad_step", "grad_tensors"),
+        ):
+            ta, tb = fa[step][key], fb[step][key]
+            order = list(ta) + [n for n in tb if n not in ta]
+            out.total_tensors = max(out.total_tensors, len(order))
+            differ = [n for n in order if ta.get(n, "absent") != tb.get(n, "absent")]
+            if differ and getattr(out, first) is None:
+                setattr(out, first, step)
+                setattr(out, names, differ)
+    out.status = "differ" if out.root is not None else "same"
+    return out
+
+
+@dataclass
+class Diagnosis:
+    """What kind of divergence A vs B is, where it starts, and whether each run's ranks agree."""
+
+    verdict: str
+    kind: Literal["batches differ", "same batches, numbers differ", "aligned", "unknown"]
+    step: int | None = None
+    metric: str | None = None
+    train: DataDiff = field(default_factory=lambda: DataDiff("train"))
+    val: DataDiff = field(default_factory=lambda: DataDiff("val"))
+    fingerprints: FingerprintDiff = field(default_factory=FingerprintDiff)
+    ranks: dict[str, RankAgreement] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def headline(self) -> str:
+        """One line for a diverged verdict ("" when nothing was recorded to tell from)."""
+        if self.kind == "batches differ":
+            d = self.train if self.train.first_step == self.step else self.val
+            what = "batches" if d.kind == "train" else f"{d.kind} batches"
+            return (
+                f"{what} differ from step {self.step} ({_ranks(d.ranks)}): data order, sampler "
+                f"or packing, not numerics; {d.detail}"
+            )
+        if self.kind == "same batches, numbers differ":
+            return f"same batches, numbers differ from step {self.step} ({self.metric})"
+        if self.kind == "unknown" and self.metric is not None and self.train.detail:
+            return f"numbers differ from step {self.step} ({self.metric}); {self.train.line()}"
+        return ""
+
+    def lines(self) -> list[str]:
+        """Every finding worth a line: the headline (diverged only), fingerprints, rank
+        disagreements (always: a job whose ranks disagree is broken whatever B says), errors."""
+        out = []
+        if self.verdict != "aligned" and self.headline():
+            out.append(self.headline())
+        if self.kind == "same batches, numbers differ" and self.train.first_step is not None:
+            out.append(self.train.line())
+        if self.verdict != "aligned" and self.fingerprints.line():
+            out.append(self.fingerprints.line())
+        for side, agreement in self.ranks.items():
+            out += [d.line(side) for d in agreement.disagreements]
+        return out + self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able (json.dumps(..., allow_nan=False))."""
+        return _json(
+            {
+                "kind": self.kind,
+                "step": self.step,
+                "metric": self.metric,
+                "headline": self.headline(),
+                "lines": self.lines(),
+                "data": {"train": vars(self.train).copy(), "val": vars(self.val).copy()},
+                "fingerprints": {**vars(self.fingerprints), "root": self.fingerprints.root},
+                "ranks": {side: r.to_dict() for side, r in self.ranks.items()},
+                "errors": list(self.errors),
+            }
+        )
+
+
+def _first_metric(comparison: Comparison | None) -> tuple[int | None, str | None]:
+    if comparison is None:
+        return None, None
+    bad = [m for m in comparison.metrics.values() if m.first_divergent_step is not None]
+    if not bad:
+        return None, None
+    m = min(bad, key=lambda m: (m.first_divergent_step, m.name))
+    return m.first_divergent_step, m.name
+
+
+def diagnose(
+    a: str | os.PathLike[str] | None,
+    b: str | os.PathLike[str] | None,
+    comparison: Comparison | None = None,
+) -> Diagnosis:
+    """Diagnose A vs B (run folders or metrics files in them) given their metric comparison.
+
+    Never raises for a bad diagnosis file: its one-line error lands in Diagnosis.errors.
+    """
+    dirs = {side: run_folder(p) if p is not None else None for side, p in (("a", a), ("b", b))}
+    step, metric = _first_metric(comparison)
+    verdict = comparison.verdict if comparison is not None else "unknown"
+    out = Diagnosis(verdict, "unknown", step, metric)
+    data = {}
+    for side, d in dirs.items():
+        try:
+            data[side] = read_rank_data(d) if d is not None else {}
+        except MetricsError as e:
+            data[side] = {}
+            out.errors.append(str(e))
+        if d is not None and data[side]:
+            try:
+                out.ranks[side] = rank_agreement(d)
+            except MetricsError as e:
+                out.errors.append(str(e))
+    if data["a"] or data["b"]:
+        out.train = compare_data(data["a"], data["b"], "train")
+        out.val = compare_data(data["a"], data["b"], "val")
+    try:
+        out.fingerprints = compare_fingerprints(dirs["a"], dirs["b"])
+    except MetricsError as e:
+        out.errors.append(str(e))
+    # the earliest data difference at or before the first metric divergence explains it
+    candidates = [
+        (d.first_step, i)
+        for i, d in enumerate((out.train, out.val))
+        if d.first_step is not None and (step is None or d.first_step <= step)
+    ]
+    if candidates:
+        out.kind, out.step = "batches differ", min(candidates)[0]
+        return out
+    if step is None:
+        out.kind = "aligned" if verdict == "aligned" else "unknown"
+        return out
+    later = out.train.status == "differ"  # only after `step`: earlier ones returned above
+    recorded = out.train.status == "same" or later or (step == 0 and out.val.status == "same")
+    out.kind = "same batches, numbers differ" if recorded else "unknown"
+    return out

@@ -1,0 +1,253 @@
+"""`parity bisect`: git bisect run with the harness as the test, the user's repo left untouched.
+
+A temp repo of five commits holds a one-rank custom job (a plain script, about 3 s a launch); the
+third commit nudges train/loss by one ULP from step 4 on. The user is in the middle of a bisect
+of their own, with staged, unstaged and untracked edits: all of it must survive every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import parity.bisect
+from parity.bisect import step_main
+from parity.cli import main
+
+pytestmark = pytest.mark.parity
+
+JOB = """\
+import json
+import math
+import sys
+from pathlib import Path
+
+NUDGE = {nudge}  # {label}
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+with open(out / "metrics.jsonl", "w") as f:
+    for i in range(1, 6):
+        loss = 1.0 / i
+        if NUDGE and i >= 4:
+            loss = math.nextafter(loss, math.inf)
+        f.write(json.dumps({{"step": i, "train/loss": loss, "train/lr": 0.125}}) + "\\n")
+    f.write(json.dumps({{"event": "end", "steps": 5}}) + "\\n")
+"""
+
+SPEC = """\
+task = "custom"
+world_size = 1
+command = ["job.py", "--out", "{out}"]
+timeout_s = 120
+
+[policies]
+"train/loss" = "ulp:1@-3,exact@4-"
+"""
+
+COMMITS = [
+    ("first: the job", False, "one"),
+    ("second: a comment", False, "two"),
+    ("third: nudge the loss by one ULP", True, "three"),
+    ("fourth: another comment", True, "four"),
+    ("fifth: yet another comment", True, "five"),
+]
+
+
+def git(repo: Path, *args: str, check: bool = True) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
+
+
+def snapshot(repo: Path) -> dict[str, str]:
+    """Everything bisect must leave as it was, the user's own bisect state included."""
+    gitdir = repo / ".git"
+    return {
+        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
+        "head": git(repo, "rev-parse", "HEAD"),
+        "symbolic": git(repo, "symbolic-ref", "HEAD"),
+        "refs": git(repo, "for-each-ref"),
+        "worktrees": git(repo, "worktree", "list", "--porcelain"),
+        "bisect": git(repo, "bisect", "log", check=False),
+        "staged": git(repo, "diff", "--cached"),
+        "unstaged": git(repo, "diff"),
+        "gitdir": "\n".join(sorted(p.name for p in gitdir.iterdir())),
+        "refs_files": "\n".join(sorted(str(p.relative_to(gitdir)) for p in gitdir.rglob("refs/*"))),
+        "config": (gitdir / "config").read_text(),
+        "job": (repo / "job.py").read_text(),
+    }
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bisect-repo")
+    git(root, "init", "-q", "-b", "main")
+    for subject, nudge, label in COMMITS:
+        (root / "job.py").write_text(JOB.format(nudge=nudge, label=label))
+        git(root, "add", "job.py")
+        git(root, "commit", "-q", "-m", subject)
+    (root / "spec.toml").write_text(SPEC)
+    git(root, "add", "spec.toml")  # staged, never committed
+    (root / "job.py").write_text(JOB.format(nudge=True, label="uncommitted edit"))
+    (root / "untracked.txt").write_text("new\n")
+    git(root, "bisect", "start")  # the user's own bisection, mid-way
+    git(root, "bisect", "bad", "HEAD")
+    return root
+
+
+def commit_of(repo: Path, n: int) -> str:
+    return git(repo, "rev-parse", f"HEAD~{len(COMMITS) - n}").strip()
+
+
+def _bisect(repo: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.chdir(repo)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main(["bisect", "--good", "HEAD~4", "--bad", "main", "--spec", "spec.toml",
+                         "--out", str(out), "--json", *extra])  # fmt: skip
+    finally:
+        mp.undo()
+    return code, json.loads(buf.getvalue())
+
+
+@pytest.fixture(scope="module")
+def found(repo, tmp_path_factory):
+    before = snapshot(repo)
+    out = tmp_path_factory.mktemp("bisect-out")
+    start = time.monotonic()
+    code, result = _bisect(repo, out)
+    print(f"bisect of 5 commits: {time.monotonic() - start:.1f} s")
+    return code, result, before, snapshot(repo), out
+
+
+def test_bisect_names_the_third_commit(found, repo):
+    code, result, _, _, out = found
+    assert code == 1 and result["verdict"] == "found"
+    first = result["first_bad"]
+    assert first["commit"] == commit_of(repo, 3)
+    assert first["subject"] == "third: nudge the loss by one ULP"
+    assert first["metric"] == "train/loss" and first["step"] == 4
+    assert first["policy"] == "exact@4-"  # the piece of the spec's step policy in force
+    assert first["a_value"] == 0.25 and first["b_value"] == math.nextafter(0.25, math.inf)
+    assert result["good"] == commit_of(repo, 1) and result["bad"] == commit_of(repo, 5)
+    verdicts = {t["commit"]: t["verdict"] for t in result["tested"]}
+    assert verdicts[commit_of(repo, 5)] == "diverged" and verdicts[commit_of(repo, 3)] == "diverged"
+    assert verdicts[commit_of(repo, 2)] == "aligned" and commit_of(repo, 4) not in verdicts
+    assert json.loads((out / "bisect.json").read_text()) == result
+    assert (out / "good" / "metrics.jsonl").is_file() and (out / "bisect.log").is_file()
+
+
+def test_bisect_leaves_the_repository_as_it_was(found):
+    _, _, before, after, _ = found
+    assert after == before
+    assert "bad" in before["bisect"]  # the user's own bisection is still there
+    assert len(before["worktrees"].strip().split("\n\n")) == 1
+
+
+def test_policy_flag_overrides_the_spec_and_aligns(repo, tmp_path):
+    """ulp:1 from step 4 on tolerates the nudge: bad is aligned with good, nothing to bisect."""
+    before = snapshot(repo)
+    code, result = _bisect(repo, tmp_path, "--policy", "train/loss=exact@-3,ulp:1@4-")
+    assert code == 0 and result["verdict"] == "aligned" and result["first_bad"] is None
+    assert snapshot(repo) == before
+
+
+def test_bad_input(repo, tmp_path, monkeypatch, capsys):
+    before = snapshot(repo)
+    monkeypatch.chdir(repo)
+    base = ["bisect", "--spec", "spec.toml", "--out", str(tmp_path)]
+    assert main([*base, "--good", "main", "--bad", "HEAD~2"]) == 2
+    assert "not an ancestor" in capsys.readouterr().err
+    assert main([*base, "--good", "nope", "--bad", "main"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main([*base, "--good", "HEAD~1", "--bad", "main", "--policy", "x=ulp:1@3-2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "ulp:1@3-2" in err
+    assert snapshot(repo) == before
+
+
+def test_interrupt_during_bisect_run_cleans_up(repo, tmp_path, monkeypatch):
+    """No launches: fake runs, then Ctrl-C while `git bisect run` would be running."""
+    before = snapshot(repo)
+    trees: list[Path] = []
+
+    def fake_run(spec, tree, run_dir):
+        trees.append(Path(tree))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        nudge = "NUDGE = True" in (Path(tree) / "job.py").read_text()
+        loss = math.nextafter(0.25, math.inf) if nudge else 0.25
+        (run_dir / "metrics.jsonl").write_text(
+            json.dumps({"step": 4, "train/loss": loss}) + '\n{"event": "end", "steps": 4}\n'
+        )
+        return run_dir
+
+    def interrupted(tree, config):
+        assert git(tree, "bisect", "log").count("# bad:") == 1  # bisecting in the worktree only
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parity.bisect, "run_in_tree", fake_run)
+    monkeypatch.setattr(parity.bisect, "_run_bisect", interrupted)
+    monkeypatch.chdir(repo)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bisect", "--good", "HEAD~4", "--bad", "main", "--spec", "spec.toml",
+              "--out", str(tmp_path)])  # fmt: skip
+    assert len(trees) == 2 and not any(t.exists() for t in trees)
+    assert snapshot(repo) == before
+
+
+def test_sigint_of_the_command_stops_everything(repo, tmp_path):
+    """A real Ctrl-C (SIGINT to the parity process) while git bisect run tests a commit."""
+    before = snapshot(repo)
+    cmd = [sys.executable, "-m", "parity.cli", "bisect", "--good", "HEAD~4", "--bad", "main",
+           "--spec", "spec.toml", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:  # the bad commit's check is the first launch, a step of git bisect run the second
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("commits/*/launcher.log"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (-signal.SIGINT, 130), proc.stderr.read()
+    assert snapshot(repo) == before
+
+
+def test_step_exit_codes(tmp_path, monkeypatch):
+    """The test command: a harness error stops the bisection (255), never marks a commit bad."""
+    assert step_main(["--config", str(tmp_path / "missing.json")]) == 255
+    config = tmp_path / "config.json"
+    spec = {"task": "custom", "command": ["job.py"], "world_size": 1}
+    config.write_text(json.dumps({"spec": spec, "reference": "r", "out": str(tmp_path),
+                                  "policies": {}}))  # fmt: skip
+    for verdict, code in (("aligned", 0), ("diverged", 1), ("skipped", 125)):
+        tested = parity.bisect.TestedCommit("c" * 40, "subject", verdict)
+        monkeypatch.setattr(parity.bisect, "_test_commit", lambda *a, t=tested, **k: t)
+        assert step_main(["--config", str(config)]) == code
+
+
+def test_text_names_the_culprit_and_what_was_tested():
+    culprit = parity.bisect.TestedCommit(
+        "c" * 40, "third", "diverged", "train/loss", 4, "exact@4-", 0.25, 0.25000000000000006
+    )
+    good = parity.bisect.TestedCommit("a" * 40, "second", "aligned")
+    text = parity.bisect.BisectResult(
+        "found", "g" * 40, "b" * 40, Path("out"), culprit, tested=[culprit, good]
+    ).text()
+    assert f"first bad commit: {'c' * 40} third" in text
+    assert "train/loss at step 4 (policy exact@4-)" in text and "aligned " in text

@@ -1,0 +1,175 @@
+"""In-process pairs: both sides in one torchrun launch give the bits two launches give.
+
+The parity tests compare an in-process pair with the same jobs launched one by one (which other
+tests need anyway, so the runner's cache shares them); the rest check the refusals and the reset
+without launching anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from specs import FIXED
+
+from parity import assert_parity
+from parity.inprocess import SEPARATOR, _Baseline, _parse, command, refusal
+from parity.spec import JobSpec, PairSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parity
+def test_in_process_pair_is_bitwise_two_launches(parity_runner):
+    pair = PairSpec.from_trainers(FIXED, "legacy", "worker")
+    together = parity_runner.pair_in_process(pair)
+    spec_a, spec_b = pair.sides()
+    alone = [parity_runner.job(spec_a, separate=True), parity_runner.job(spec_b, separate=True)]
+    for run, other in zip((together.a, together.b), alone, strict=True):
+        assert run.in_process and not other.in_process
+        comparison = assert_parity(run, other)  # every metric exact; mfu (a timing) ignored
+        assert comparison.metrics["train/loss"].steps_compared == 20
+        assert comparison.metrics["val/loss"].status == "match"
+        wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (run, other))
+        assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
+        for name in ("metrics.jsonl", "console.log", "manifest.json", "timing.json"):
+            assert (run.dir / name).is_file(), name
+        first = (run.dir / "launcher.log").read_text().splitlines()[0]
+        assert first.startswith("# ") and f"--out {run.dir}" in first  # reproduces the side
+    assert_parity(together.a, together.b)  # and the pair itself is aligned
+
+
+@pytest.mark.parity
+def test_same_mutants_are_applied_to_both_sides(parity_runner):
+    """lr-before-step breaks only the worker trainer: side B, run after side A's modules were
+    dropped, must get it again and match a launch of its own."""
+    broken = dataclasses.replace(FIXED, inject=["lr-before-step"])
+    together = parity_runner.pair_in_process(PairSpec.from_trainers(broken, "legacy", "worker"))
+    legacy = parity_runner.job(dataclasses.replace(FIXED, trainer="legacy"), separate=True)
+    assert_parity(together.a, legacy)
+    assert_parity(together.b, parity_runner.job(broken, separate=True))
+    lr = together.b.metrics["train/lr"]
+    assert lr[1] != legacy.metrics["train/lr"][1]
+
+
+# --- without launching --------------------------------------------------------------------------
+
+
+def test_refusals_are_one_line():
+    base = JobSpec(world_size=2)
+    assert refusal(base, dataclasses.replace(base, trainer="legacy")) is None
+    both = dataclasses.replace(base, inject=["lr-before-step"])
+    assert refusal(both, dataclasses.replace(both, trainer="legacy")) is None
+    reason = refusal(base, dataclasses.replace(base, inject=["lr-before-step"]))
+    assert reason and "same mutants" in reason and "\n" not in reason
+    assert "world_size" in refusal(base, dataclasses.replace(base, world_size=1))
+    two_nodes = dataclasses.replace(base, nnodes=2)
+    assert "one node" in refusal(two_nodes, two_nodes)
+    script = JobSpec(task="custom", command=["train.py", "--out", "{out}"])
+    assert "script" in refusal(script, script)
+
+
+def test_refusal_is_exit_2_before_any_launch(tmp_path):
+    cmd = [sys.executable, "-m", "parity.cli", "pair", "--in-process", "--out", str(tmp_path)]
+    cmd += ["--inject-b", "lr-before-step"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "same mutants" in proc.stderr
+    assert not (tmp_path / "in-process").exists()
+
+
+def test_command_runs_each_side_and_mutants_once(tmp_path):
+    base = JobSpec(world_size=2, inject=["lr-before-step"])
+    specs = [dataclasses.replace(base, trainer="legacy"), base]
+    args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
+    assert args[:2] == ["-m", "parity.inprocess"] and args.count("parity.inject") == 0
+    assert args[args.index("--mutants") + 1] == "lr-before-step"
+    opts, sides = _parse(args[2:])
+    assert [m for m, _ in sides] == ["worker.sft", "worker.sft"]
+    assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
+    assert sides[1][1][sides[1][1].index("--out") + 1] == str(tmp_path / "b")
+    assert opts.timing == tmp_path / "t.json" and SEPARATOR not in sides[1][1]
+    with pytest.raises(SystemExit, match="-m MODULE"):
+        _parse(["-m", "worker.sft", SEPARATOR, "train.py"])
+
+
+def test_baseline_restores_what_a_job_changes(monkeypatch):
+    monkeypatch.setenv("PARITY_TEST_KEEP", "1")
+    monkeypatch.delenv("PARITY_TEST_NEW", raising=False)
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    baseline = _Baseline.take()
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    baseline.restore()
+    try:
+        os.environ["PARITY_TEST_NEW"] = "1"
+        os.environ["PARITY_TEST_KEEP"] = "2"
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(not deterministic)
+        random.seed(5)
+        np.random.seed(5)
+        torch.manual_seed(5)
+        baseline.restore()
+        assert "PARITY_TEST_NEW" not in os.environ and os.environ["PARITY_TEST_KEEP"] == "1"
+        assert torch.get_default_dtype() == dtype and torch.get_num_threads() == threads
+        assert torch.are_deterministic_algorithms_enabled() == deterministic
+        assert (random.random(), np.random.rand()) == expected[:2]
+        assert torch.equal(torch.rand(1), expected[2])
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
+    """One launch for a pair with neither side run; a cached side is reused by `job`, but
+    `job(separate=True)` and a pair with one side cached launch on their own."""
+    import pandas as pd
+
+    import parity.inprocess
+    import parity.runs
+    from parity.launch import LaunchResult
+    from parity.plugin import ParityRunner
+    from parity.runs import Run
+
+    launches = []
+
+    def fake_run(spec, out, in_process=False):
+        frame = pd.DataFrame({"train/loss": [1.0]}, index=pd.Index([1], name="step"))
+        launch = LaunchResult(returncode=0, timed_out=False, duration_s=1.0, run_dir=Path(out))
+        return Run(spec, Path(out), launch, frame, in_process=in_process)
+
+    def run_job(spec, out, label=None, **kwargs):
+        launches.append(("job", spec.trainer))
+        return fake_run(spec, out)
+
+    def run_pair_in_process(pair, out, **kwargs):
+        launches.append(("in-process",))
+        a, b = pair.sides()
+        return fake_run(a, Path(out) / "a", True), fake_run(b, Path(out) / "b", True)
+
+    monkeypatch.setattr(parity.runs, "run_job", run_job)
+    monkeypatch.setattr(parity.inprocess, "run_pair_in_process", run_pair_in_process)
+    runner = ParityRunner(tmp_path)
+    base = JobSpec(world_size=2)
+    pair = PairSpec.from_trainers(base, "legacy", "worker")
+    result = runner.pair(pair, in_process=True)
+    assert launches == [("in-process",)] and result.a.in_process and result.ok
+    assert runner.job(dataclasses.replace(base, trainer="legacy")) is result.a
+    assert runner.pair(pair, in_process=True).b is result.b and len(launches) == 1
+    alone = runner.job(base, separate=True)
+    assert not alone.in_process and launches[-1] == ("job", "worker")
+    assert runner.job(base, separate=True) is alone and len(launches) == 2
+    other = PairSpec.from_trainers(dataclasses.replace(base, steps=3), "legacy", "worker")
+    runner.job(other.sides()[1])
+    runner.pair(other, in_process=True)
+    assert launches[2:] == [("job", "worker"), ("job", "legacy")]
+    with pytest.raises(Exception, match="same mutants"):
+        runner.pair(PairSpec(base, {}, {"inject": ["lr-before-step"]}), in_process=True)
