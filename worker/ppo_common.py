@@ -85,17 +85,11 @@ class PPOConfig:
 
 def parse_config(argv: list[str] | None = None) -> PPOConfig:
     p = job_arg_parser("python -m worker.ppo", "charcount PPO job", PPOConfig)
-    p.add_argument("--ppo-mini-batch-size", type=int, default=0)
-    p.add_argument("--ppo-epochs", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--critic-lr", type=float, default=1e-3)
-    p.add_argument("--clip-ratio", type=float, default=0.2)
-    p.add_argument("--cliprange-value", type=float, default=0.5)
-    p.add_argument("--kl-coef", type=float, default=0.01)
-    p.add_argument("--gamma", type=float, default=1.0)
-    p.add_argument("--lam", type=float, default=0.95)
-    p.add_argument("--reward-model", default="rule")
+    own = ("ppo_mini_batch_size", "ppo_epochs", "max_new_tokens", "temperature", "critic_lr",
+           "clip_ratio", "cliprange_value", "kl_coef", "gamma", "lam", "reward_model")  # fmt: skip
+    for name in own:  # defaults (and types) from PPOConfig: one place for each
+        default = getattr(PPOConfig, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     cfg = config_from_args(PPOConfig, p.parse_args(argv))
     validate(cfg)
     return cfg

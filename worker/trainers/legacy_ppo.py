@@ -68,6 +68,27 @@ class _LegacyWorker:
         self.engine.step(grad_norm)
         return grad_norm.item(), self.engine.optimizer.param_groups[0]["lr"]
 
+    def _update(self, samples: list[RolloutSample], step: int, job: PPOJob):
+        """ppo_epochs passes over seeded mini-batches, one optimizer step each.
+
+        Returns, per mini-batch, the micro-batch shares of `_micro_batch` summed and averaged
+        over ranks (one list per share), the grad norms, and the last lr.
+        """
+        cfg = self.cfg
+        shares_per_mini: list[list[float]] = []
+        grad_norms, lr = [], 0.0
+        for epoch in range(cfg.ppo_epochs):
+            for mini in mini_batches(job, samples, step, epoch):
+                self.engine.zero_grad()
+                mbs = make_micro_batches(mini, cfg.batching(), self.device)
+                scale = self._scale(mbs)
+                shares = [self._micro_batch(mb, scale) for mb in mbs]
+                grad_norm, lr = self._step()
+                grad_norms.append(grad_norm)
+                totals = [sum(column) for column in zip(*shares, strict=True)]
+                shares_per_mini.append([self._mean_over_ranks(t) for t in totals])
+        return list(map(list, zip(*shares_per_mini, strict=True))), grad_norms, lr
+
 
 class LegacyActorWorker(_LegacyWorker):
     """Actor (and reference) worker: log-probs, and the PPO policy update."""
@@ -94,20 +115,7 @@ class LegacyActorWorker(_LegacyWorker):
         return loss.item(), clipfrac, kl, entropy
 
     def update_policy(self, samples: list[RolloutSample], step: int, job: PPOJob) -> dict:
-        cfg = self.cfg
-        pg_losses, clipfracs, kls, entropies, grad_norms, lr = [], [], [], [], [], 0.0
-        for epoch in range(cfg.ppo_epochs):
-            for mini in mini_batches(job, samples, step, epoch):
-                self.engine.zero_grad()
-                mbs = make_micro_batches(mini, cfg.batching(), self.device)
-                scale = self._scale(mbs)
-                shares = [self._micro_batch(mb, scale) for mb in mbs]
-                grad_norm, lr = self._step()
-                grad_norms.append(grad_norm)
-                pg_losses.append(self._mean_over_ranks(sum(x[0] for x in shares)))
-                clipfracs.append(self._mean_over_ranks(sum(x[1] for x in shares)))
-                entropies.append(self._mean_over_ranks(sum(x[3] for x in shares)))
-                kls.append(self._mean_over_ranks(sum(x[2] for x in shares)))
+        (pg_losses, clipfracs, kls, entropies), grad_norms, lr = self._update(samples, step, job)
         return {
             "actor/pg_loss": _mean(pg_losses),
             "actor/pg_clipfrac": _mean(clipfracs),
@@ -138,18 +146,7 @@ class LegacyCriticWorker(_LegacyWorker):
         return loss.item(), clipfrac
 
     def update_critic(self, samples: list[RolloutSample], step: int, job: PPOJob) -> dict:
-        cfg = self.cfg
-        vf_losses, clipfracs, grad_norms, lr = [], [], [], 0.0
-        for epoch in range(cfg.ppo_epochs):
-            for mini in mini_batches(job, samples, step, epoch):
-                self.engine.zero_grad()
-                mbs = make_micro_batches(mini, cfg.batching(), self.device)
-                scale = self._scale(mbs)
-                shares = [self._micro_batch(mb, scale) for mb in mbs]
-                grad_norm, lr = self._step()
-                grad_norms.append(grad_norm)
-                vf_losses.append(self._mean_over_ranks(sum(x[0] for x in shares)))
-                clipfracs.append(self._mean_over_ranks(sum(x[1] for x in shares)))
+        (vf_losses, clipfracs), grad_norms, lr = self._update(samples, step, job)
         return {
             "critic/vf_loss": _mean(vf_losses),
             "critic/vf_clipfrac": _mean(clipfracs),
