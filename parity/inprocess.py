@@ -7,14 +7,17 @@ launch would find it:
     torchrun ... -m parity.inprocess [--mutants A,B] [--timing FILE] \\
         -m worker.sft --trainer legacy --out runs/a --then -m worker.sft --trainer worker ...
 
-Reset between sides: the models of the side before are freed while the process group still exists
-(the group is kept and reused), modules of the job's packages imported by the side before are
-dropped so the next side imports them fresh (no module-level cache survives), and os.environ,
-sys.argv, the RNG states and torch's global flags are restored to what they were before the first
-side. The job build re-applies determinism itself (worker.determinism.set_determinism).
+Reset between sides (`SideRunner`): the models of the side before are freed while the process
+group still exists (the group is kept and reused), modules of the job's packages imported by the
+side before are dropped so the next side imports them fresh (no module-level cache survives), and
+os.environ, sys.argv, the RNG states and torch's global flags are restored to what they were
+before the first side. The job build re-applies determinism itself
+(worker.determinism.set_determinism). The same runner serves a warm pool (parity.pool).
 
-Mutants (monkeypatches) cannot be taken back: in-process mode accepts them only when both sides
-inject the same list, re-applied to the fresh modules before each side; `refusal` says why not.
+Mutants: a side written `-m parity.inject --mutants A -m MODULE ...` gets them applied to its
+fresh modules, and every function, method or class they replaced outside the job's packages is
+put back after it (`Patches`), so the two sides may carry different mutants. `--mutants` applies
+a list to every side.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -51,30 +55,19 @@ def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
             return f"in-process mode needs the same {name} on both sides ({va!r} vs {vb!r})"
     if spec_a.nnodes > 1:
         return f"in-process mode runs on one node, not {spec_a.nnodes}"
-    if spec_a.inject != spec_b.inject:
-        return (
-            f"in-process mode needs the same mutants on both sides ({spec_a.inject} vs "
-            f"{spec_b.inject}): a monkeypatch cannot be undone in one process"
-        )
     for label, spec in (("a", spec_a), ("b", spec_b)):
-        args = _job_args(spec, Path("{out}"))
+        args = dataclasses.replace(spec, inject=[]).to_args(Path("{out}"))
         if len(args) < 2 or args[0] != "-m":
             return f"in-process mode runs job modules (-m MODULE); side {label} runs a script"
     return None
 
 
-def _job_args(spec: JobSpec, out: Path) -> list[str]:
-    """The side's module args without the parity.inject wrapper (mutants go to the runner)."""
-    return dataclasses.replace(spec, inject=[]).to_args(out)
-
-
 def command(specs: Sequence[JobSpec], outs: Sequence[Path], timing: Path) -> list[str]:
-    """Module args for torchrun that run every spec, in order, in one launch."""
+    """Module args for torchrun that run every spec, in order, in one launch (a side with
+    mutants keeps its parity.inject wrapper: they are applied to that side only)."""
     args = ["-m", "parity.inprocess", "--timing", str(timing)]
-    if specs[0].inject:
-        args += ["--mutants", ",".join(specs[0].inject)]
     for i, (spec, out) in enumerate(zip(specs, outs, strict=True)):
-        args += ([SEPARATOR] if i else []) + _job_args(spec, out)
+        args += ([SEPARATOR] if i else []) + spec.to_args(out)
     return args
 
 
@@ -88,9 +81,6 @@ def run_pair_in_process(
     at teardown (both sides' metrics complete) is returned with allow_teardown_failure, as
     run_job does.
     """
-    import shlex
-    import time
-
     from parity.launch import LaunchError, launch
     from parity.readers import read_metrics
     from parity.runs import Progress, Run, mark_teardown
@@ -128,14 +118,21 @@ def run_pair_in_process(
     split = _split_seconds(timing, result.duration_s)
     runs = []
     for spec, d, seconds, frame in zip((spec_a, spec_b), dirs, split, frames, strict=True):
-        alone = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        alone += ["--nproc-per-node", str(spec.nproc_per_node), *spec.to_args(d)]
         note = f"# ran in-process with the other side in one launch: {here / 'launcher.log'}\n"
-        _write_text(d / "launcher.log", f"# {shlex.join(alone)}\n{note}")
+        _write_text(d / "launcher.log", f"{alone_line(spec, d)}\n{note}")
         side = dataclasses.replace(result, duration_s=seconds)
         metrics = frame if frame is not None else read_metrics(d)
         runs.append(Run(spec, d, side, metrics, in_process=True))
     return runs[0], runs[1]
+
+
+def alone_line(spec: JobSpec, out: Path) -> str:
+    """`# torchrun ...`: the launch that reproduces this job on its own (a launcher.log's head)."""
+    import shlex
+
+    alone = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    alone += ["--nproc-per-node", str(spec.nproc_per_node), *spec.to_args(out)]
+    return f"# {shlex.join(alone)}"
 
 
 def _split_seconds(timing: Path, total: float) -> tuple[float, float]:
@@ -284,51 +281,182 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _run(argv: list[str]) -> int:
-    from parity.inject import apply_mutants
+def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str]:
+    """(module, args, mutants, catalogue) of a side, `-m parity.inject ... -m M ARGS` unwrapped."""
+    from parity.inject import DEFAULT_CATALOGUE
 
-    opts, sides = _parse(argv)
+    if module != "parity.inject":
+        return module, args, [], DEFAULT_CATALOGUE
+    if "-m" not in args or args.index("-m") + 1 >= len(args):
+        raise SystemExit(f"error: parity.inject needs -m MODULE; got {args}")
+    split = args.index("-m")
+    parser = argparse.ArgumentParser(prog="python -m parity.inject")
+    parser.add_argument("--mutants", default="")
+    parser.add_argument("--catalogue", default=DEFAULT_CATALOGUE)
+    opts = parser.parse_args(args[:split])
     mutants = [n for n in opts.mutants.split(",") if n]
-    packages = {m.partition(".")[0] for m, _ in sides}
-    if mutants:
-        packages.add(opts.catalogue.partition(".")[0])
-    baseline = _Baseline.take()
-    keep = set(sys.modules)
-    timings = []
-    for i, (module, args) in enumerate(sides):
-        if i:
-            _purge(packages, keep)
-            baseline.restore()
+    return args[split + 1], args[split + 2 :], mutants, opts.catalogue
+
+
+def _is_code(value: Any) -> bool:
+    """What a monkeypatch replaces: functions, methods, classes and their descriptors.
+
+    Data (counters, registries, the process group's own state) is left alone, since jobs change
+    it legitimately and putting it back would break the process group.
+    """
+    import functools
+    import inspect
+
+    kinds = (type, staticmethod, classmethod, property, functools.partial)
+    return inspect.isroutine(value) or isinstance(value, kinds)
+
+
+def _defined_in(value: Any) -> str:
+    """The module that defined a function, method or class (through its descriptor)."""
+    import functools
+
+    for attr in ("__func__", "fget", "func"):  # staticmethod/classmethod, property, partial
+        if isinstance(value, staticmethod | classmethod | property | functools.partial):
+            value = getattr(value, attr, value)
+    return str(getattr(value, "__module__", "") or "")
+
+
+class Patches:
+    """The code attributes of every loaded module and its classes, to undo a side's mutants.
+
+    A mutant is a monkeypatch; the modules of the job's own packages are dropped after the side
+    anyway, so this covers what a mutant replaces elsewhere (torch's DistributedSampler, for
+    one). `undo(catalogue)` puts back every function, method or class that now holds code defined
+    in the catalogue module, and names it. Only those: a module imported during the side may
+    rightly change an older class (torch does at import), and that must stay.
+    """
+
+    def __init__(self, skip: set[str]):
+        self.skip = skip
+        self.modules: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+        self.classes: list[tuple[type, dict[str, Any]]] = []
+        with warnings.catch_warnings():  # touching deprecated module attributes warns
+            warnings.simplefilter("ignore")
+            for name, mod in list(sys.modules.items()):
+                namespace = getattr(mod, "__dict__", None)
+                if name.partition(".")[0] in skip or not isinstance(namespace, dict):
+                    continue
+                self.modules.append((name, namespace, self._code(namespace)))
+                for value in list(namespace.values()):
+                    if isinstance(value, type) and value.__module__ == name:
+                        self.classes.append((value, self._code(value.__dict__)))
+
+    @staticmethod
+    def _code(namespace) -> dict[str, Any]:
+        return {k: v for k, v in list(namespace.items()) if _is_code(v)}
+
+    def undo(self, catalogue: str) -> list[str]:
+        """Restore what now holds code from `catalogue`; the dotted names put back."""
+        undone = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, namespace, before in self.modules:
+                for key in self._patched(namespace, before, catalogue):
+                    undone.append(f"{name}.{key}")
+                    if key in before:
+                        namespace[key] = before[key]
+                    else:
+                        del namespace[key]
+            for cls, before in self.classes:
+                for key in self._patched(cls.__dict__, before, catalogue):
+                    undone.append(f"{cls.__module__}.{cls.__qualname__}.{key}")
+                    if key in before:
+                        setattr(cls, key, before[key])
+                    else:
+                        delattr(cls, key)
+        return undone
+
+    def _patched(self, namespace, before: dict[str, Any], catalogue: str) -> list[str]:
+        now = self._code(namespace)
+        return [k for k, v in now.items() if v is not before.get(k) and _defined_in(v) == catalogue]
+
+
+class SideRunner:
+    """Runs job sides one after another in this rank process, each as a fresh launch finds it.
+
+    Before every side but the first: the job packages' modules are dropped and the baseline
+    (environment, argv, RNG states, torch's flags) restored. A side's mutants are applied to the
+    fresh modules and undone after it (`Patches`), so sides may carry different mutants.
+    """
+
+    def __init__(self) -> None:
+        self.baseline = _Baseline.take()
+        self.keep = set(sys.modules)
+        self.packages: set[str] = set()
+        self.sides = 0
+
+    def run(self, module: str, args: list[str]) -> dict[str, Any]:
+        """Run one side (`-m MODULE ARGS`, or parity.inject wrapping it); its timing record."""
+        from parity.inject import apply_mutants
+
+        module, args, mutants, catalogue = _unwrap_inject(module, args)
+        self.packages |= {module.partition(".")[0]}
+        if mutants:
+            self.packages.add(catalogue.partition(".")[0])
+        if self.sides:
+            _purge(self.packages, self.keep)
+            self.baseline.restore()
+        self.sides += 1
+        patches = Patches(skip=self.packages) if mutants else None
         start = time.monotonic()
         if mutants:
-            apply_mutants(mutants, opts.catalogue)
+            apply_mutants(mutants, catalogue)
         train, file = _train_function(module)
         sys.argv[:] = [file, *args]  # what runpy gives a `-m MODULE` run
         train(args)
         del train
         gc.collect()  # free this side's models while the process group exists
         _barrier()
-        timings.append({"module": module, "args": args, "seconds": time.monotonic() - start})
+        seconds = time.monotonic() - start
+        undone = patches.undo(catalogue) if patches is not None else []
+        return {"module": module, "args": args, "mutants": mutants, "seconds": seconds,
+                "undone": undone}  # fmt: skip
+
+
+def finish_distributed() -> None:
+    """Barrier, then destroy the process group the sides shared (a bare destroy aborts some
+    multi-rank runs on CPU at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run(argv: list[str]) -> int:
+    opts, sides = _parse(argv)
+    if opts.mutants:  # applies to every side: wrap each in parity.inject
+        wrap = ["--mutants", opts.mutants, "--catalogue", opts.catalogue]
+        sides = [("parity.inject", [*wrap, "-m", m, *a]) for m, a in sides]
+    runner = SideRunner()
+    timings = [runner.run(module, args) for module, args in sides]
     if opts.timing is not None and int(os.environ.get("RANK", "0")) == 0:
         from parity.files import write_json_atomic
 
         write_json_atomic(opts.timing, {"sides": timings})
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # a bare destroy aborts some multi-rank runs on CPU at exit
-        dist.destroy_process_group()
+    finish_distributed()
     return 0
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    """Run every side as a torchrun rank, then exit without interpreter teardown (as a job does)."""
+def run_as_rank(fn: Callable[[list[str]], int], argv: list[str] | None) -> NoReturn:
+    """`fn(argv)` as a torchrun rank (its traceback reaches torchrun's summary through
+    `record`), then exit without interpreter teardown, as a job does."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    code = record(_run)(list(sys.argv[1:] if argv is None else argv))
+    code = record(fn)(list(sys.argv[1:] if argv is None else argv))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run every side as a torchrun rank."""
+    run_as_rank(_run, argv)
 
 
 if __name__ == "__main__":

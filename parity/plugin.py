@@ -6,14 +6,16 @@
         pair = parity_runner.pair(PairSpec.from_trainers(base, "legacy", "worker"))
         assert_parity(pair.a, pair.b)
 
-Runs are cached for the session by spec, so tests that need the same job share one launch.
-`--parity-keep-runs DIR` keeps every run folder there for inspection.
+Runs are cached for the session by spec, so tests that need the same job share one launch, and
+jobs run in warm pools (parity.pool: one torchrun launch per world size, kept up for the session,
+the same bits as a launch of their own) unless `--parity-no-pool`. `--parity-keep-runs DIR` keeps
+every run folder there for inspection.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -30,6 +32,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         default=None,
         help="keep the run folders of parity tests under DIR",
+    )
+    group.addoption(
+        "--parity-no-pool",
+        action="store_true",
+        help="launch every job on its own instead of in warm pools (parity.pool)",
     )
     group.addoption(
         "--parity-update-golden",
@@ -78,19 +85,29 @@ def assert_parity(
 
 
 class ParityRunner:
-    """Runs jobs and pairs under torchrun, one launch per distinct spec per session.
+    """Runs jobs and pairs under torchrun, once per distinct spec per session.
 
-    A run is cached by its spec whichever way it was launched: a side run in-process (both sides
-    of a pair in one launch, `pair(..., in_process=True)`) is bitwise the run a launch of its own
-    gives (tests/test_inprocess.py), so later tests of the same spec reuse it.
+    pool=True: jobs run in warm pools (parity.pool), one launch per world size for the session;
+    a job that fails there is launched alone, for its own report. A run is cached by its spec
+    whichever way it ran: a job run in a pool or in-process (both sides of a pair in one launch,
+    `pair(..., in_process=True)`) is bitwise the run a launch of its own gives
+    (tests/test_pool.py, tests/test_inprocess.py), so later tests of the same spec reuse it.
     """
 
-    def __init__(self, base_dir: Path):
+    def __init__(self, base_dir: Path, pool: bool = False):
+        from parity.pool import Pools
+
         self.base_dir = base_dir
+        self.pools = Pools(base_dir / "pools") if pool else None
         self._runs: dict[tuple, object] = {}
         self._separate: dict[tuple, object] = {}  # launched alone, where _runs holds in-process
         self._in_process: dict[tuple, object] = {}  # pair_in_process results, by both keys
         self._count = 0
+
+    def close(self) -> None:
+        """Stop the warm pools (the session fixture calls this at the end)."""
+        if self.pools is not None:
+            self.pools.close()
 
     def _folder(self, name: str) -> Path:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
@@ -103,7 +120,8 @@ class ParityRunner:
         return tuple(spec.to_args(Path("{out}"))) + launcher
 
     def job(self, spec: JobSpec, separate: bool = False):
-        """The run of `spec`; separate=True: one launched on its own, never an in-process one."""
+        """The run of `spec`; separate=True: one launched on its own, never a pooled or
+        in-process one."""
         from parity.runs import run_job
 
         key = self._key(spec)
@@ -112,8 +130,13 @@ class ParityRunner:
             return run
         if separate and key in self._separate:
             return self._separate[key]
-        run = run_job(spec, self._folder(f"{spec.task}-{spec.trainer}-w{spec.world_size}"))
-        self._separate[key] = run
+        folder, run = self._folder(f"{spec.task}-{spec.trainer}-w{spec.world_size}"), None
+        if not separate and self.pools is not None:
+            run = self.pools.run(spec, folder)
+            folder = folder.with_name(folder.name + "-alone")  # the pool's attempt stays
+        if run is None:
+            run = run_job(spec, folder)
+            self._separate[key] = run
         self._runs.setdefault(key, run)
         return run
 
@@ -124,7 +147,8 @@ class ParityRunner:
         in_process: bool = False,
         noise_floor: bool = False,
     ):
-        """Both sides (cached runs reused); in_process=True: sides not run yet share one launch.
+        """Both sides (cached runs reused); in_process=True: sides not run yet share one launch
+        (with pools, they run in the warm pool, which is one launch already).
 
         in_process raises SpecError (one line) when the sides cannot share a process.
         noise_floor=True: A against a fresh repeat of A first (``result.floor``); if they differ,
@@ -140,7 +164,7 @@ class ParityRunner:
                 a, again = floor.runs
                 return PairResult(a, again, floor.comparison, a.dir.parent, floor=floor)
         missing = [s for s in (spec_a, spec_b) if self._key(s) not in self._runs]
-        if in_process and len(missing) == 2:
+        if in_process and len(missing) == 2 and self.pools is None:
             result = self.pair_in_process(pair, policies)
             a, b = result.a, result.b
             self._runs.setdefault(self._key(spec_a), a)
@@ -185,11 +209,13 @@ class ParityRunner:
 
 
 @pytest.fixture(scope="session")
-def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> ParityRunner:
+def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ParityRunner]:
     keep = request.config.getoption("--parity-keep-runs")
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
     base.mkdir(parents=True, exist_ok=True)
-    return ParityRunner(base)
+    runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
+    yield runner
+    runner.close()
 
 
 class GoldenChecker:

@@ -24,6 +24,7 @@ import os
 import re
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -330,8 +331,18 @@ def _steps_are_digits(raw: bytes, at: np.ndarray, steps: np.ndarray) -> bool:
     return bool((after == np.frombuffer(b" - ", dtype=np.uint8)).all())
 
 
-def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    """Vectorised path for well-formed logs; None means "let the line-by-line reader decide".
+@dataclass
+class _Tokens:
+    """One piece of a console log, tokenized: a category code and a value per ' - ' token."""
+
+    cats: list[str]  # the key of each code ("step" among them)
+    codes: np.ndarray
+    vals: np.ndarray
+    n_lines: int
+
+
+def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
+    """The step lines of `raw` as tokens, or None ("let the line-by-line reader decide").
 
     It accepts only text where the result is provably the slow reader's: each ' - ' token
     becomes one row for pandas' C parser with ':' as separator, which rejects any row that is
@@ -386,17 +397,110 @@ def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
         return None
     if at is not None and not _steps_are_digits(raw, at, steps):
         return None
-    cell = ~is_step
-    cell_vals = vals[cell]
-    if ((cell_vals == 0.0) | (cell_vals == 1.0)).any() and (
+    if ((vals[~is_step] == 0.0) | (vals[~is_step] == 1.0)).any() and (
         b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))
     ):
         return None  # maybe true/false, which the C parser reads as 1/0 and float() refuses
+    return _Tokens(cats, codes, vals, n_lines)
+
+
+_PIECE_BYTES = 8 << 20  # logs above twice this are read in two pieces, one per thread
+
+
+def _halves(raw: bytes) -> list[bytes | memoryview]:
+    """`raw` cut after the first newline past its middle (lines are read one by one, so nothing
+    spans the cut), or whole when it is small or has no such newline."""
+    if len(raw) < 2 * _PIECE_BYTES:
+        return [raw]
+    cut = raw.find(b"\n", len(raw) // 2)
+    if cut < 0:
+        return [raw]
+    view = memoryview(raw)
+    return [view[: cut + 1], view[cut + 1 :]]
+
+
+def _merge(pieces: list[_Tokens]) -> _Tokens:
+    """One token list from the pieces' own, their codes mapped into the union of their keys."""
+    if len(pieces) == 1:
+        return pieces[0]
+    cats: dict[str, int] = {}
+    for piece in pieces:
+        for c in piece.cats:
+            cats.setdefault(c, len(cats))
+    codes = [np.array([cats[c] for c in p.cats], dtype=np.int32)[p.codes] for p in pieces]
+    return _Tokens(
+        list(cats),
+        np.concatenate(codes),
+        np.concatenate([p.vals for p in pieces]),
+        sum(p.n_lines for p in pieces),
+    )
+
+
+def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """Vectorised path for well-formed logs; None means "let the line-by-line reader decide".
+
+    A large log is read in two halves on two threads (numpy and pandas' parser release the
+    GIL), then its tokens are merged; every check of `_console_tokens` holds for each half.
+    """
+    halves = _halves(raw)
+    if len(halves) == 1:
+        pieces = [_console_tokens(raw)]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(halves)) as pool:
+            pieces = list(pool.map(_console_tokens, halves))
+        del halves
+    if any(p is None for p in pieces):
+        return None
+    tokens = _merge(pieces)  # type: ignore[arg-type]
+    codes, vals, n_lines, cats = tokens.codes, tokens.vals, tokens.n_lines, tokens.cats
+    step_code = cats.index("step")
+    is_step = codes == step_code
+    steps = vals[is_step]
+    cell = ~is_step
+    cell_vals = vals[cell]
+    names = cats[:step_code] + cats[step_code + 1 :]
+    dense = _same_keys(codes, vals, steps, n_lines, step_code, names)
+    if dense is not None:
+        return dense
     line = np.cumsum(is_step) - 1
     col = codes[cell].astype(np.intp)
     col -= col > step_code  # drop the 'step' category
-    names = cats[:step_code] + cats[step_code + 1 :]
     return _assemble(steps.astype(np.int64), line[cell], col, cell_vals, names)
+
+
+def _same_keys(
+    codes: np.ndarray,
+    vals: np.ndarray,
+    steps: np.ndarray,
+    n_lines: int,
+    step_code: int,
+    names: list[str],
+) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """The usual log, without the cell-by-cell assembly: every line has `step` and then the same
+    keys in the same order, once each, and the steps rise. None otherwise (`_assemble` then)."""
+    width = len(codes) // n_lines
+    if width * n_lines != len(codes) or width != len(names) + 1:
+        return None
+    grid = codes.reshape(n_lines, width)
+    first = grid[0]
+    if first[0] != step_code or not (grid == first).all():
+        return None
+    ints = steps.astype(np.int64)
+    if n_lines > 1 and not (ints[1:] > ints[:-1]).all():
+        return None
+    keys = first[1:].astype(np.intp)
+    keys -= keys > step_code  # into `names`
+    order = np.argsort([names[i] for i in keys], kind="stable")
+    index = pd.Index(ints, dtype=np.int64, name="step")
+    columns = pd.Index([names[keys[i]] for i in order])
+    values = vals.reshape(n_lines, width)[:, 1:][:, order]
+    present = np.ones(values.shape, dtype=bool)
+    return (
+        pd.DataFrame(values, index=index, columns=columns, copy=False),
+        pd.DataFrame(present, index=index, columns=columns, copy=False),
+    )
 
 
 def _console_slow(text: str, path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

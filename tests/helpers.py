@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
+
+
+def interruptible() -> None:
+    """Popen(preexec_fn=interruptible): a child that a SIGINT interrupts even when this test run
+    ignores SIGINT (a shell's background job does, and a Python started so installs no handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def procs_mentioning(text: str) -> list[int]:

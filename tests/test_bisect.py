@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import interruptible
 
 import parity.bisect
 from parity.bisect import step_main
@@ -212,7 +213,8 @@ def test_sigint_of_the_command_stops_everything(repo, tmp_path):
     before = snapshot(repo)
     cmd = [sys.executable, "-m", "parity.cli", "bisect", "--good", "HEAD~4", "--bad", "main",
            "--spec", "spec.toml", "--out", str(tmp_path)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=interruptible)  # fmt: skip
     try:  # the bad commit's check is the first launch, a step of git bisect run the second
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("commits/*/launcher.log"))) < 2:

@@ -69,7 +69,7 @@ def _parity(*args: str) -> subprocess.CompletedProcess:
 def test_pair_command_catches_injected_bug(tmp_path):
     proc = _parity(
         "pair", "--a", "legacy", "--b", "worker", "--world", "2", "--steps", "3",
-        "--inject-b", "lr-before-step", "--out", str(tmp_path / "pair"), "--json",
+        "--inject-b", "lr-before-step", "--in-process", "--out", str(tmp_path / "pair"), "--json",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)
@@ -80,6 +80,7 @@ def test_pair_command_catches_injected_bug(tmp_path):
         assert (tmp_path / "pair" / part).exists(), part
     summary = json.loads((tmp_path / "pair" / "summary.json").read_text())
     assert summary["verdict"] == "diverged" and summary["b"]["spec"]["inject"] == ["lr-before-step"]
+    assert summary["mode"] == "in-process"  # one launch; the mutant reached side B only
     assert summary["a"]["metrics"].endswith("a/metrics.jsonl")  # the spec is kept beside it
     assert summary["diagnosis"]["kind"] == "same batches, numbers differ"
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from specs import FIXED
 
 from parity import assert_parity
-from parity.inprocess import SEPARATOR, _Baseline, _parse, command, refusal
+from parity.inprocess import SEPARATOR, _Baseline, _parse, _unwrap_inject, command, refusal
 from parity.spec import JobSpec, PairSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,14 +48,16 @@ def test_in_process_pair_is_bitwise_two_launches(parity_runner):
 
 
 @pytest.mark.parity
-def test_same_mutants_are_applied_to_both_sides(parity_runner):
-    """lr-before-step breaks only the worker trainer: side B, run after side A's modules were
-    dropped, must get it again and match a launch of its own."""
-    broken = dataclasses.replace(FIXED, inject=["lr-before-step"])
-    together = parity_runner.pair_in_process(PairSpec.from_trainers(broken, "legacy", "worker"))
-    legacy = parity_runner.job(dataclasses.replace(FIXED, trainer="legacy"), separate=True)
+def test_each_side_gets_its_own_mutants(parity_runner):
+    """lr-before-step on side B only: B matches a launch of its own with the mutant, and side A
+    (run first, in the same processes) a clean launch."""
+    broken = {"trainer": "worker", "inject": ["lr-before-step"]}
+    pair = PairSpec(FIXED, {"trainer": "legacy"}, broken)
+    together = parity_runner.pair_in_process(pair)
+    spec_a, spec_b = pair.sides()
+    legacy = parity_runner.job(spec_a, separate=True)
     assert_parity(together.a, legacy)
-    assert_parity(together.b, parity_runner.job(broken, separate=True))
+    assert_parity(together.b, parity_runner.job(spec_b, separate=True))
     lr = together.b.metrics["train/lr"]
     assert lr[1] != legacy.metrics["train/lr"][1]
 
@@ -66,11 +68,9 @@ def test_same_mutants_are_applied_to_both_sides(parity_runner):
 def test_refusals_are_one_line():
     base = JobSpec(world_size=2)
     assert refusal(base, dataclasses.replace(base, trainer="legacy")) is None
-    both = dataclasses.replace(base, inject=["lr-before-step"])
-    assert refusal(both, dataclasses.replace(both, trainer="legacy")) is None
-    reason = refusal(base, dataclasses.replace(base, inject=["lr-before-step"]))
-    assert reason and "same mutants" in reason and "\n" not in reason
-    assert "world_size" in refusal(base, dataclasses.replace(base, world_size=1))
+    assert refusal(base, dataclasses.replace(base, inject=["lr-before-step"])) is None
+    reason = refusal(base, dataclasses.replace(base, world_size=1))
+    assert reason and "world_size" in reason and "\n" not in reason
     two_nodes = dataclasses.replace(base, nnodes=2)
     assert "one node" in refusal(two_nodes, two_nodes)
     script = JobSpec(task="custom", command=["train.py", "--out", "{out}"])
@@ -78,27 +78,58 @@ def test_refusals_are_one_line():
 
 
 def test_refusal_is_exit_2_before_any_launch(tmp_path):
-    cmd = [sys.executable, "-m", "parity.cli", "pair", "--in-process", "--out", str(tmp_path)]
-    cmd += ["--inject-b", "lr-before-step"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    spec = tmp_path / "pair.toml"
+    spec.write_text('world_size = 2\n[a]\ntrainer = "legacy"\n[b]\nworld_size = 1\n')
+    cmd = [sys.executable, "-m", "parity.cli", "pair", "--in-process", "--spec", str(spec)]
+    proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "same mutants" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "same world_size" in proc.stderr
     assert not (tmp_path / "in-process").exists()
 
 
-def test_command_runs_each_side_and_mutants_once(tmp_path):
+def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     base = JobSpec(world_size=2, inject=["lr-before-step"])
-    specs = [dataclasses.replace(base, trainer="legacy"), base]
+    specs = [JobSpec(world_size=2, trainer="legacy"), base]
     args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
-    assert args[:2] == ["-m", "parity.inprocess"] and args.count("parity.inject") == 0
-    assert args[args.index("--mutants") + 1] == "lr-before-step"
+    assert args[:2] == ["-m", "parity.inprocess"] and args.count("parity.inject") == 1
     opts, sides = _parse(args[2:])
-    assert [m for m, _ in sides] == ["worker.sft", "worker.sft"]
+    assert [m for m, _ in sides] == ["worker.sft", "parity.inject"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
-    assert sides[1][1][sides[1][1].index("--out") + 1] == str(tmp_path / "b")
-    assert opts.timing == tmp_path / "t.json" and SEPARATOR not in sides[1][1]
+    module, side_args, mutants, _ = _unwrap_inject(*sides[1])
+    assert (module, mutants) == ("worker.sft", ["lr-before-step"])
+    assert side_args[side_args.index("--out") + 1] == str(tmp_path / "b")
+    assert opts.timing == tmp_path / "t.json" and SEPARATOR not in side_args
     with pytest.raises(SystemExit, match="-m MODULE"):
         _parse(["-m", "worker.sft", SEPARATOR, "train.py"])
+
+
+def test_mutants_are_undone_after_their_side(tmp_path):
+    """Every catalogue mutant applied, then undone: nothing they replaced outside the job's
+    packages survives (torch's DistributedSampler among them). In a process of its own, since
+    the worker modules it patches are this session's too."""
+    script = (
+        "import sys\n"
+        "from torch.utils.data import DistributedSampler\n"
+        "from parity.inject import apply_mutants\n"
+        "from parity.inprocess import Patches\n"
+        "from worker.mutants import MUTANTS\n"
+        "before = DistributedSampler.set_epoch, DistributedSampler.__init__\n"
+        "patches = Patches(skip={'worker'})\n"
+        "apply_mutants(sorted(MUTANTS))\n"
+        "assert DistributedSampler.set_epoch is not before[0]\n"
+        "undone = patches.undo('worker.mutants')\n"
+        "assert (DistributedSampler.set_epoch, DistributedSampler.__init__) == before\n"
+        "assert not patches.undo('worker.mutants')\n"
+        "print('\\n'.join(sorted(undone)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [
+        "torch.utils.data.distributed.DistributedSampler.__init__",
+        "torch.utils.data.distributed.DistributedSampler.set_epoch",
+    ]
 
 
 def test_baseline_restores_what_a_job_changes(monkeypatch):
@@ -171,5 +202,5 @@ def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
     runner.job(other.sides()[1])
     runner.pair(other, in_process=True)
     assert launches[2:] == [("job", "worker"), ("job", "legacy")]
-    with pytest.raises(Exception, match="same mutants"):
-        runner.pair(PairSpec(base, {}, {"inject": ["lr-before-step"]}), in_process=True)
+    with pytest.raises(Exception, match="same world_size"):
+        runner.pair(PairSpec(base, {}, {"world_size": 1}), in_process=True)

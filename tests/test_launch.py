@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import procs_mentioning
+from helpers import interruptible, procs_mentioning
 
 from parity.launch import (
     LAUNCH_ID_ENV,
@@ -214,7 +214,9 @@ def test_ctrl_c_in_parent_kills_the_job(tmp_path: Path) -> None:
         "launch([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]), "
         "env={'DUMMY_MODE': 'hang'}, timeout_s=120)"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code, str(DUMMY), str(tmp_path)])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(DUMMY), str(tmp_path)], preexec_fn=interruptible
+    )
     try:
         deadline = time.monotonic() + 60
         logs = tmp_path / "logs"

@@ -205,6 +205,29 @@ def near_valid_line(draw):
     return f"{prefix}step:{step} - {body}{end}"
 
 
+def _assert_fast_is_slow_or_declines(text: str) -> None:
+    """The fast path, whole and in two halves on two threads, either declines (None) or gives
+    exactly the line-by-line reader's frame."""
+    import parity.readers
+
+    whole = _console_fast(text.encode())
+    saved = parity.readers._PIECE_BYTES
+    parity.readers._PIECE_BYTES = 4  # any log of 8 bytes or more is read in two halves
+    try:
+        halves = _console_fast(text.encode())
+    finally:
+        parity.readers._PIECE_BYTES = saved
+    try:
+        slow = _console_slow(text, Path("x.log"))
+    except MetricsError:
+        assert whole is None and halves is None
+        return
+    for fast in (whole, halves):
+        if fast is not None:
+            fast[0].attrs["present"], slow[0].attrs["present"] = fast[1], slow[1]
+            assert_same_frame(fast[0], slow[0])
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     lines=st.lists(
@@ -212,17 +235,45 @@ def near_valid_line(draw):
     )
 )
 def test_console_fast_path_never_disagrees(lines):
-    """The fast path either declines (None) or gives exactly the line-by-line reader's frame."""
+    """The fast path never disagrees with the line-by-line reader."""
     text = "\n".join(lines)
-    fast = _console_fast(text.encode())
-    try:
-        slow = _console_slow(text, Path("x.log"))
-    except MetricsError:
-        assert fast is None
-        return
-    if fast is not None:
-        fast[0].attrs["present"], slow[0].attrs["present"] = fast[1], slow[1]
-        assert_same_frame(fast[0], slow[0])
+    _assert_fast_is_slow_or_declines(text)
+
+
+@st.composite
+def same_keys_log(draw):
+    """Logs whose step lines share their keys (the usual log), with plausible
+    mistakes in values, separators and steps, and noise between the lines."""
+    keys = draw(st.lists(st.sampled_from(KEY), min_size=1, max_size=3))
+    lines = []
+    for _ in range(draw(st.integers(1, 4))):
+        seps = [" - "] + [draw(st.sampled_from(SEP)) for _ in keys[1:]]
+        values = [draw(st.sampled_from(VAL)) for _ in keys]
+        body = "".join(f"{s}{k}:{v}" for s, k, v in zip(seps, keys, values, strict=True))
+        step = draw(st.sampled_from(["0", "1", "2", "007", "3", "9007199254740993"]))
+        lines.append(f"step:{step}{body}")
+        lines += draw(st.lists(st.sampled_from(["noise", "", "x step:y"]), max_size=1))
+    return "\n".join(lines)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=same_keys_log())
+def test_console_same_keys_never_disagrees(text):
+    """The same for logs with one set of keys, which skip the cell-by-cell assembly."""
+    _assert_fast_is_slow_or_declines(text)
+
+
+def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
+    """The usual log (one set of keys, rising steps) is built without `_assemble`."""
+    import parity.readers
+
+    text = b"step:1 - b:1.5 - a:nan\nnoise\nstep:2 - b:-2e-05 - a:3\nstep:3 - b:0 - a:1"
+    monkeypatch.setattr(parity.readers, "_assemble", None)  # would raise if called
+    frame, present = _console_fast(text)
+    assert list(frame.columns) == ["a", "b"] and list(frame.index) == [1, 2, 3]
+    assert frame["b"].tolist() == [1.5, -2e-05, 0.0] and present.to_numpy().all()
+    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)  # two halves, merged
+    assert _console_fast(text)[0].equals(frame)
 
 
 STEP_TEXT_LINES = [

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import oracle_val_loss, procs_mentioning
+from helpers import interruptible, oracle_val_loss, procs_mentioning
 
 from parity.cli import EXIT_RUN_FAILED, main
 from parity.compare import compare_frames
@@ -146,8 +146,8 @@ def test_mark_teardown_needs_a_fresh_complete_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parity
-def test_two_nodes_give_the_same_bits_as_one(tmp_path: Path) -> None:
-    one = run_job(JobSpec(world_size=2, steps=2), tmp_path / "one")
+def test_two_nodes_give_the_same_bits_as_one(parity_runner, tmp_path: Path) -> None:
+    one = parity_runner.job(JobSpec(world_size=2, steps=2))
     two = run_job(JobSpec(world_size=2, steps=2, nnodes=2), tmp_path / "two")
     assert sorted(two.launch.nodes) == [0, 1]
     assert two.manifest["world_size"] == 2
@@ -194,7 +194,9 @@ def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path) -> Non
         "launch_nodes([sys.argv[1], sys.argv[2], '--mode', 'hang'], nnodes=2, nproc=1, "
         "run_dir=Path(sys.argv[2]), timeout_s=120)"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code, str(DUMMY), str(tmp_path)])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(DUMMY), str(tmp_path)], preexec_fn=interruptible
+    )
     try:
         deadline = time.monotonic() + 90
         logs = list(tmp_path.glob("node*/logs/*/attempt_0/*/stdout.log"))
@@ -213,10 +215,10 @@ def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path) -> Non
 
 
 @pytest.mark.parity
-def test_val_set_smaller_than_a_batch_gives_the_true_value(tmp_path: Path) -> None:
+def test_val_set_smaller_than_a_batch_gives_the_true_value(parity_runner) -> None:
     # 3 val samples, global batch 16, 2 ranks: shares of 2 and 1, one partial micro-batch each
     base = JobSpec(world_size=2, steps=1, overrides={"val_samples": 3, "val_before_train": True})
-    runs = [run_job(replace(base, trainer=t), tmp_path / t) for t in ("legacy", "worker")]
+    runs = [parity_runner.job(replace(base, trainer=t)) for t in ("legacy", "worker")]
     values = [run.metrics["val/loss"][0] for run in runs]
     assert values[0] == values[1]  # the legacy (fixed formula) and worker trainers, bitwise
     assert math.isfinite(values[0])
