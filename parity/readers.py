@@ -397,9 +397,9 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
         return None
     if at is not None and not _steps_are_digits(raw, at, steps):
         return None
-    if ((vals[~is_step] == 0.0) | (vals[~is_step] == 1.0)).any() and (
-        b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))
-    ):
+    if (b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))) and (
+        (vals[~is_step] == 0.0) | (vals[~is_step] == 1.0)
+    ).any():
         return None  # maybe true/false, which the C parser reads as 1/0 and float() refuses
     return _Tokens(cats, codes, vals, n_lines)
 
@@ -458,16 +458,15 @@ def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     step_code = cats.index("step")
     is_step = codes == step_code
     steps = vals[is_step]
-    cell = ~is_step
-    cell_vals = vals[cell]
     names = cats[:step_code] + cats[step_code + 1 :]
     dense = _same_keys(codes, vals, steps, n_lines, step_code, names)
     if dense is not None:
         return dense
+    cell = ~is_step
     line = np.cumsum(is_step) - 1
     col = codes[cell].astype(np.intp)
     col -= col > step_code  # drop the 'step' category
-    return _assemble(steps.astype(np.int64), line[cell], col, cell_vals, names)
+    return _assemble(steps.astype(np.int64), line[cell], col, vals[cell], names)
 
 
 def _same_keys(
