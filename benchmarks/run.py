@@ -258,7 +258,8 @@ def _suite_child(pytest_args: list[str]) -> None:
     done.set()
     sampler.join()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    tail = (out.strip().splitlines() or [""])[-1]
+    lines = out.strip().splitlines() or [""]
+    tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
     report = {"wall_s": wall, "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
               "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail}  # fmt: skip
     print(json.dumps(report))
@@ -267,7 +268,7 @@ def _suite_child(pytest_args: list[str]) -> None:
 def bench_suite(pytest_args: list[str]) -> None:
     """(5): wall time and peak memory of `pytest -m parity` (goal: under 5 minutes)."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--suite-child", *pytest_args],
+        [sys.executable, __file__, "--suite-child", json.dumps(pytest_args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -290,10 +291,10 @@ def main() -> None:
     p.add_argument("--suite", action="store_true", help="also time `pytest -m parity` (slow)")
     p.add_argument("--repeats", type=int, default=None, help="runs per pair figure (median)")
     p.add_argument("--no-pool", action="store_true", help="time the suite without warm pools")
-    p.add_argument("--suite-child", nargs="*", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--suite-child", default=None, help=argparse.SUPPRESS)  # pytest args, JSON
     args = p.parse_args()
     if args.suite_child is not None:
-        _suite_child(args.suite_child)
+        _suite_child(json.loads(args.suite_child))
         return
     print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     bench_compare(100_000 if args.quick else 1_000_000, 3 if args.quick else 5)
