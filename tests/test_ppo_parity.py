@@ -149,7 +149,7 @@ def test_reward_at_first_token_is_caught(parity_runner, parity_mutant_score):
 def test_reward_missing_engine_fails_early_with_one_line(parity_runner, parity_mutant_score):
     spec = dataclasses.replace(BASE, trainer="worker", inject=["reward-missing-engine"])
     with pytest.raises(LaunchError) as info:
-        parity_runner.job(spec)
+        parity_runner.job(spec, separate=True)  # a failure would end a warm pool: launch alone
     parity_mutant_score("reward-missing-engine", True)  # the run failed, loudly
     line = "error: reward model 'rule-engine' has no engine or legacy implementation"
     assert line in str(info.value)
