@@ -260,8 +260,10 @@ def _suite_child(pytest_args: list[str]) -> None:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = out.strip().splitlines() or [""]
     tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
+    failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
     report = {"wall_s": wall, "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
-              "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail}  # fmt: skip
+              "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail,
+              "failed": failed}  # fmt: skip
     print(json.dumps(report))
 
 
@@ -282,6 +284,8 @@ def bench_suite(pytest_args: list[str]) -> None:
           f"{r['tree_pss_kib'] / 1024:.0f} MiB PSS ({r['tree_rss_kib'] / 1024:.0f} MiB RSS), "
           f"largest process {r['maxrss_kib'] / 1024:.0f} MiB; "
           f"exit {r['rc']}: {r['tail']}")  # fmt: skip
+    for line in r["failed"]:
+        print(f"          {line}")
 
 
 def main() -> None:
