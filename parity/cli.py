@@ -124,7 +124,8 @@ def _report_nondeterministic(result, as_json: bool, extra: dict) -> int:
 
 
 def _report_teardown(result, as_json: bool, extra: dict) -> int:
-    """A side finished training, then crashed or hung at exit: say so, with the metrics verdict.
+    """A side finished training, then crashed or hung at exit: say so, with the metrics verdict
+    (for `pair` and `check`: their results name the sides, the verdict and the teardown line).
 
     Exit 3 ("failed", reason teardown-crash/-hang) unless --allow-teardown-failure, which gives
     the metrics verdict's code; the teardown failure is printed and in --json either way.
@@ -197,9 +198,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.golden is not None:
         if args.base or args.head:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
-        result = check_golden(loaded, Path(args.golden), out, policies=policies)
+        result = check_golden(
+            loaded, Path(args.golden), out, policies=policies,
+            allow_teardown_failure=args.allow_teardown_failure,
+        )  # fmt: skip
     elif args.base:
-        result = check_revisions(loaded, args.base, args.head, out, policies=policies)
+        result = check_revisions(
+            loaded, args.base, args.head, out, policies=policies,
+            allow_teardown_failure=args.allow_teardown_failure,
+        )  # fmt: skip
     else:
         raise SpecError("check needs --base REV (and optionally --head REV) or --golden FILE")
     html = result.report.with_name("report.html")
@@ -208,7 +215,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"report: {html}  {result.report}")
     extra = {"a_rev": result.a_rev, "b_rev": result.b_rev, "out": str(out), "report": str(html)}
     extra["diagnosis"] = _diagnosis(result.a_dir, result.b_dir, result.comparison)
-    return _report(result.comparison, args.json, extra)
+    if not result.teardown:
+        return _report(result.comparison, args.json, extra)
+    return _report_teardown(result, args.json, extra)
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
@@ -234,6 +243,12 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     return 0
 
 
+_TEARDOWN_HELP = (
+    "a side that crashes or hangs at exit after complete metrics: still reported, but the "
+    "verdict is the metrics' (default: failed, exit 3)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="parity", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -256,12 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--out", required=True)
-    pair.add_argument(
-        "--allow-teardown-failure",
-        action="store_true",
-        help="a side that crashes or hangs at exit after complete metrics: still reported, but "
-        "the verdict is the metrics' (default: failed, exit 3)",
-    )
+    pair.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
     pair.add_argument(
         "--noise-floor",
         action="store_true",
@@ -271,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument(
         "--in-process",
         action="store_true",
-        help="both sides in one torchrun launch (same bits, one start-up); refused with the "
-        "reason when the sides differ in world size or mutants",
+        help="both sides in one torchrun launch (same bits, one start-up; each side its own "
+        "mutants); refused with the reason when the sides differ in world size or nodes, or "
+        "run a script",
     )
     pair.set_defaults(func=cmd_pair)
 
@@ -301,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--golden", help="stored metrics file to compare the current tree with")
     check.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     check.add_argument("--out", default="runs/check", help="run folders and report")
+    check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
     check.set_defaults(func=cmd_check)
 
     bis = sub.add_parser(

@@ -16,15 +16,15 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parity.compare import Comparison, Policy
-from parity.launch import LaunchError, launch, launch_nodes
+from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
 from parity.readers import read_metrics
-from parity.report import build_report
-from parity.runs import end_record_written, mark_teardown
+from parity.report import Report, build_report
+from parity.runs import end_record_written, mark_teardown, teardown_line
 from parity.spec import JobSpec
 
 __all__ = [
@@ -53,6 +53,19 @@ class CheckResult:
     b_dir: Path
     a_rev: str | None  # commit ids; None for the golden file / the current tree
     b_rev: str | None
+    teardown: list[tuple[str, LaunchResult]] = field(default_factory=list)  # (side, launch)
+    allow_teardown_failure: bool = False
+
+    @property
+    def verdict(self) -> str:
+        """The metrics verdict, but "failed" after a teardown failure unless that is allowed
+        (as `parity pair` judges it: runs.PairResult.verdict)."""
+        if self.teardown and not self.allow_teardown_failure:
+            return "failed"
+        return self.comparison.verdict
+
+    def teardown_line(self) -> str:
+        return teardown_line(self.teardown, self.comparison)
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -104,8 +117,14 @@ def _git_unchecked(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], capture_output=True, stdin=subprocess.DEVNULL)
 
 
-def run_in_tree(spec: JobSpec, tree: Path, run_dir: Path) -> Path:
-    """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError."""
+def run_in_tree(
+    spec: JobSpec, tree: Path, run_dir: Path, allow_teardown: bool = False
+) -> LaunchResult:
+    """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
+
+    allow_teardown: a run that failed only at teardown (complete metrics, see `mark_teardown`)
+    is returned, not ok and with its reason, for the caller to compare and report.
+    """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in _JOB_FILES:
@@ -129,9 +148,10 @@ def run_in_tree(spec: JobSpec, tree: Path, run_dir: Path) -> Path:
     else:
         result = launch(spec.to_args(run_dir), **kwargs)
     if not result.ok:
-        mark_teardown(result, run_dir / "metrics.jsonl", since)  # reason: teardown-* or crash
-        raise LaunchError(result)
-    return run_dir
+        whole = mark_teardown(result, run_dir / "metrics.jsonl", since) is not None
+        if not (whole and allow_teardown):  # reason: teardown-* or crash
+            raise LaunchError(result)
+    return result
 
 
 def _dirty(repo: Path) -> bool:
@@ -146,11 +166,14 @@ def check_revisions(
     *,
     repo: Path | None = None,
     policies: Mapping[str, Policy | str] | None = None,
+    allow_teardown_failure: bool = False,
 ) -> CheckResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
 
     Runs go to out/base and out/head, the report to out. Raises RevisionError (bad repo or
-    revision), LaunchError (a run failed) or MetricsError (a run wrote bad metrics).
+    revision), LaunchError (a run failed) or MetricsError (a run wrote bad metrics). A run that
+    failed only at teardown is compared anyway and named in ``result.teardown``; the verdict is
+    then "failed" unless allow_teardown_failure, as in `parity pair`.
     """
     root = repo_root(Path(repo or Path.cwd()))
     revs = {"base": base, "head": head or "HEAD"}
@@ -163,15 +186,29 @@ def check_revisions(
         notes.append(warning)
     out = Path(out).resolve()
     dirs = {side: out / side for side in revs}
+    launches = {}
     for side in revs:
         with worktree(root, commits[side]) as tree:
-            run_in_tree(spec, tree, dirs[side])
+            launches[side] = run_in_tree(spec, tree, dirs[side], allow_teardown=True)
     labels = [f"{side} {revs[side]} ({commits[side][:12]})" for side in revs]
     report = build_report(dirs["base"], dirs["head"], policies, labels=labels, notes=notes)
-    md = report.write(out)
-    return CheckResult(
-        report.comparison, md, dirs["base"], dirs["head"], commits["base"], commits["head"]
-    )
+    result = CheckResult(
+        report.comparison, out / "report.md", dirs["base"], dirs["head"], commits["base"],
+        commits["head"], _failed(launches), allow_teardown_failure,
+    )  # fmt: skip
+    return _written(result, report, out)
+
+
+def _failed(launches: Mapping[str, LaunchResult]) -> list[tuple[str, LaunchResult]]:
+    return [(side, result) for side, result in launches.items() if not result.ok]
+
+
+def _written(result: CheckResult, report: Report, out: Path) -> CheckResult:
+    """``result`` once its report is written, with the teardown failures among its notes."""
+    if result.teardown:
+        report.notes.append(f"verdict {result.verdict}: {result.teardown_line()}")
+    result.report = report.write(out)
+    return result
 
 
 def check_golden(
@@ -181,9 +218,11 @@ def check_golden(
     *,
     tree: Path | None = None,
     policies: Mapping[str, Policy | str] | None = None,
+    allow_teardown_failure: bool = False,
 ) -> CheckResult:
     """Run ``spec`` once on the current tree (the repo root, else cwd) and compare with a stored
-    metrics file or run folder (any readable format); the run goes to out/current."""
+    metrics file or run folder (any readable format); the run goes to out/current. A teardown
+    failure is handled as in `check_revisions`."""
     if tree is None:
         try:
             tree = repo_root(Path.cwd())
@@ -194,8 +233,12 @@ def check_golden(
     out = Path(out).resolve()
     if (out / "current") in golden.resolve().parents or golden.resolve() == out / "current":
         raise RevisionError(f"{golden}: golden file lies in the run folder {out / 'current'}")
-    run_dir = run_in_tree(spec, Path(tree).resolve(), out / "current")
+    run_dir = out / "current"
+    launch_result = run_in_tree(spec, Path(tree).resolve(), run_dir, allow_teardown=True)
     notes = [f"golden = {golden}", f"current = the working tree at {tree}, as it is now"]
     report = build_report(golden, run_dir, policies, labels=["golden", "current"], notes=notes)
-    md = report.write(out)
-    return CheckResult(report.comparison, md, golden, run_dir, None, None)
+    result = CheckResult(
+        report.comparison, out / "report.md", golden, run_dir, None, None,
+        _failed({"current": launch_result}), allow_teardown_failure,
+    )  # fmt: skip
+    return _written(result, report, out)

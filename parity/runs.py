@@ -75,16 +75,23 @@ class PairResult:
 
     def teardown_line(self) -> str:
         """One line naming each side's teardown failure, or '' when there was none."""
-        parts = []
-        for side, result in self.teardown:
-            who = result.failures[0].headline() if result.failures else result.reason
-            parts.append(f"side {side.upper()}: {result.reason} ({who})")
-        if not parts:
-            return ""
-        return (
-            f"teardown failure after complete metrics: {'; '.join(parts)}; "
-            f"metrics compared anyway: {self.comparison.verdict}"
-        )
+        named = [(f"side {side.upper()}", result) for side, result in self.teardown]
+        return teardown_line(named, self.comparison)
+
+
+def teardown_line(teardown: list[tuple[str, LaunchResult]], comparison: Comparison) -> str:
+    """One line naming each (label, launch) that failed at teardown, and the metrics verdict
+    the comparison gave anyway; '' when there was none."""
+    parts = []
+    for label, result in teardown:
+        who = result.failures[0].headline() if result.failures else result.reason
+        parts.append(f"{label}: {result.reason} ({who})")
+    if not parts:
+        return ""
+    return (
+        f"teardown failure after complete metrics: {'; '.join(parts)}; "
+        f"metrics compared anyway: {comparison.verdict}"
+    )
 
 
 def steps_logged(metrics_file: Path) -> int:

@@ -1,6 +1,6 @@
 """Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
 
-from parity.spec import JobSpec
+from parity.spec import JobSpec, PairSpec
 
 # 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
 FIXED = JobSpec(
@@ -27,3 +27,11 @@ VAL46 = JobSpec(world_size=2, steps=2, overrides={"val_samples": 46})
 SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
 # 3 steps with every parameter and gradient hashed at each (worker/fingerprint.py)
 FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "all"})
+
+
+def legacy_vs_worker(runner, base: JobSpec, inject_b: list[str] | None = None):
+    """The pair every parity check starts from: the legacy trainer (A) against the worker (B,
+    carrying the `inject_b` mutants) on `base`. Sides not run yet share processes (a warm pool,
+    or one in-process launch without pools), bitwise two launches: tests/test_inprocess.py."""
+    b = {"trainer": "worker", "inject": inject_b or []}
+    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=True)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from specs import EPOCHS, FINGERPRINTED, FIXED, plain
+from specs import EPOCHS, FINGERPRINTED, FIXED, legacy_vs_worker, plain
 
 from parity.cli import main
 from parity.compare import compare_frames
@@ -26,7 +26,6 @@ from parity.diagnose import (
 )
 from parity.readers import read_metrics
 from parity.report import build_report
-from parity.spec import PairSpec
 from worker.fingerprint import DataDigest, parse_steps, tensor_hash
 
 TENSORS = [
@@ -287,8 +286,7 @@ def test_digests_and_step_lists():
 
 
 def _pair(runner, base, mutant: str | None = None):
-    b = {"trainer": "worker", "inject": [mutant] if mutant else []}
-    result = runner.pair(PairSpec(base, {"trainer": "legacy"}, b))
+    result = legacy_vs_worker(runner, base, [mutant] if mutant else None)
     return result, diagnose(result.a.dir, result.b.dir, result.comparison)
 
 

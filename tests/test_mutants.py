@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from specs import EPOCHS, FINGERPRINTED, FIXED, SEQ_MEAN, VAL46, plain
+from specs import EPOCHS, FINGERPRINTED, FIXED, SEQ_MEAN, VAL46, legacy_vs_worker, plain
 from test_invariance import INVARIANCE
 
 from parity.compare import Comparison, compare_frames
 from parity.diagnose import rank_agreement
-from parity.spec import PairSpec
 from worker.mutants import MUTANTS
 
 pytestmark = pytest.mark.parity
@@ -47,8 +46,7 @@ def test_every_mutant_has_a_check():
 def _check(runner, mutant: str) -> Comparison:
     kind, base, _, _ = CHECKS[mutant]
     if kind == "pair":
-        pair = PairSpec(base, {"trainer": "legacy"}, {"trainer": "worker", "inject": [mutant]})
-        return runner.pair(pair).comparison
+        return legacy_vs_worker(runner, base, [mutant]).comparison
     if kind == "invariance":  # one rank against two: the policy of test_invariance.py
         one = runner.job(plain(world_size=1, overrides=base.overrides))
         two = runner.job(plain(world_size=2, overrides=base.overrides, inject=[mutant]))

@@ -9,10 +9,11 @@ import dataclasses
 import json
 
 import pytest
+from specs import legacy_vs_worker
 
 from parity import assert_parity
 from parity.launch import LaunchError
-from parity.spec import JobSpec, PairSpec
+from parity.spec import JobSpec
 
 pytestmark = pytest.mark.parity
 
@@ -55,20 +56,13 @@ DYNAMIC = dataclasses.replace(
 )
 
 
-def _pair(runner, base: JobSpec, inject_b: list[str] | None = None):
-    """Clean pairs share one launch (bitwise the same as two: tests/test_inprocess.py) unless a
-    side already ran; a mutant in B needs a launch of its own."""
-    b = {"trainer": "worker", "inject": inject_b or []}
-    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=not inject_b)
-
-
 @pytest.mark.parametrize(
     "base",
     [BASE, SEQ_MEAN, DDP_PADDED, DYNAMIC],
     ids=["token-mean", "seq-mean-token-mean", "ddp-padded", "dynamic-bsz"],
 )
 def test_legacy_and_engine_ppo_are_bitwise_equal(parity_runner, base):
-    pair = _pair(parity_runner, base)
+    pair = legacy_vs_worker(parity_runner, base)
     comparison = assert_parity(pair.a, pair.b)
     for metric in METRICS:
         result = comparison.metrics[metric]
@@ -91,7 +85,7 @@ def test_legacy_and_engine_ppo_are_bitwise_equal(parity_runner, base):
 
 def test_in_process_ppo_pair_is_bitwise_two_launches(parity_runner):
     """The clean pairs above share one launch; a PPO side launched alone gives the same bits."""
-    pair = _pair(parity_runner, BASE)
+    pair = legacy_vs_worker(parity_runner, BASE)
     alone = parity_runner.job(pair.b.spec, separate=True)
     assert pair.b.in_process and not alone.in_process
     comparison = assert_parity(pair.b, alone)
@@ -103,7 +97,7 @@ def _first_divergences(comparison) -> dict[str, int | None]:
 
 
 def test_seq_mean_dp_scaling_is_caught_at_two_ranks(parity_runner, parity_mutant_score):
-    comparison = _pair(parity_runner, SEQ_MEAN, ["seq-mean-dp-scaling"]).comparison
+    comparison = legacy_vs_worker(parity_runner, SEQ_MEAN, ["seq-mean-dp-scaling"]).comparison
     parity_mutant_score("seq-mean-dp-scaling (PPO)", comparison.verdict == "diverged")
     assert comparison.verdict == "diverged"
     first = _first_divergences(comparison)
@@ -116,12 +110,12 @@ def test_seq_mean_dp_scaling_is_caught_at_two_ranks(parity_runner, parity_mutant
 
 def test_seq_mean_dp_scaling_is_invisible_at_one_rank(parity_runner):
     one_rank = dataclasses.replace(SEQ_MEAN, world_size=1)
-    pair = _pair(parity_runner, one_rank, ["seq-mean-dp-scaling"])
+    pair = legacy_vs_worker(parity_runner, one_rank, ["seq-mean-dp-scaling"])
     assert_parity(pair.a, pair.b)  # x * 1 and x / 1 are the same float: a dp=1 check cannot see it
 
 
 def test_critic_never_stepped_is_caught(parity_runner, parity_mutant_score):
-    comparison = _pair(parity_runner, BASE, ["critic-never-stepped"]).comparison
+    comparison = legacy_vs_worker(parity_runner, BASE, ["critic-never-stepped"]).comparison
     parity_mutant_score("critic-never-stepped", comparison.verdict == "diverged")
     assert comparison.verdict == "diverged"
     first = _first_divergences(comparison)
@@ -133,7 +127,7 @@ def test_critic_never_stepped_is_caught(parity_runner, parity_mutant_score):
 
 
 def test_reward_at_first_token_is_caught(parity_runner, parity_mutant_score):
-    pair = _pair(parity_runner, BASE, ["reward-at-first-token"])
+    pair = legacy_vs_worker(parity_runner, BASE, ["reward-at-first-token"])
     comparison = pair.comparison
     parity_mutant_score("reward-at-first-token", comparison.verdict == "diverged")
     assert comparison.verdict == "diverged"

@@ -192,3 +192,44 @@ def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, cap
         assert main(args) == 3
     assert len(seen) == 1 and not seen[0].exists() and not seen[0].parent.exists()
     assert snapshot(repo) == before
+
+
+@pytest.mark.parametrize(
+    ("against", "allowed"), [("base", False), ("base", True), ("golden", False)]
+)
+def test_teardown_crash_is_failed_but_metrics_are_compared(
+    repo, tmp_path, monkeypatch, capsys, against, allowed
+):
+    """Head (or the current tree) finishes its metrics, then a rank aborts at exit (a fake
+    launcher; `parity pair`'s test uses a real one): the metrics are still compared and the
+    crash is named."""
+    from parity.launch import RankFailure
+
+    lines = [json.dumps({"step": i, "train/loss": 1.0 / i}) for i in range(1, 6)]
+    metrics = "\n".join([*lines, '{"event": "end", "steps": 5}\n'])
+
+    def fake_launch(args, *, cwd, run_dir, **kwargs):
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text(metrics)
+        if out.name == "base":
+            return LaunchResult(returncode=0, timed_out=False, duration_s=1.0, run_dir=run_dir)
+        crash = RankFailure(rank=1, exitcode=-6, signal="SIGABRT", log_tail="")
+        return LaunchResult(1, False, 1.0, run_dir, failures=[crash])
+
+    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    (tmp_path / "golden.jsonl").write_text(metrics)
+    side = ["--base", "HEAD"] if against == "base" else ["--golden", str(tmp_path / "golden.jsonl")]
+    flags = ["--allow-teardown-failure"] if allowed else []
+    out = tmp_path / "check"
+    code, result = _check(repo, monkeypatch, capsys, *side, "--out", str(out), *flags)
+    assert (code, result["verdict"]) == ((0, "aligned") if allowed else (3, "failed"))
+    assert result["metrics_verdict"] == "aligned"
+    [teardown] = result["teardown"]
+    crashed = "head" if against == "base" else "current"
+    assert (teardown["side"], teardown["reason"]) == (crashed, "teardown-crash")
+    assert teardown["failures"] == [{"rank": 1, "exitcode": -6, "signal": "SIGABRT"}]
+    md = (out / "report.md").read_text()
+    verdict = "aligned" if allowed else "failed"
+    line = f"{crashed}: teardown-crash (rank 1: killed by SIGABRT); metrics compared anyway"
+    assert f"verdict {verdict}: teardown failure after complete metrics: {line}: aligned" in md

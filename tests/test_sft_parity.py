@@ -16,11 +16,11 @@ import pytest
 import torch
 from helpers import oracle_val_loss
 from safetensors.torch import load_file
-from specs import DDP_PADDED, DYNAMIC, FIXED, plain
+from specs import DDP_PADDED, DYNAMIC, FIXED, legacy_vs_worker, plain
 
 from parity import assert_parity
 from parity.readers import read_metrics
-from parity.spec import JobSpec, PairSpec
+from parity.spec import JobSpec
 from worker.data.batching import collate
 from worker.data.charcount import DATA_DIR, encode, load_tokenizer, read_jsonl
 from worker.model import load_model
@@ -36,18 +36,11 @@ BITWISE = [
 ]
 
 
-def _pair(runner, base: JobSpec, inject_b: list[str] | None = None):
-    """Clean pairs run in one launch (bitwise two launches: tests/test_inprocess.py) unless the
-    runner has either side already; a mutant in B needs a launch of its own."""
-    b = {"trainer": "worker", "inject": inject_b or []}
-    return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=not inject_b)
-
-
 @pytest.mark.parametrize(
     "base", [FIXED, DYNAMIC, DDP_PADDED], ids=["fixed-micro-batches", "dynamic-bsz", "ddp-padded"]
 )
 def test_legacy_and_worker_are_bitwise_equal(parity_runner, base):
-    pair = _pair(parity_runner, base)
+    pair = legacy_vs_worker(parity_runner, base)
     comparison = assert_parity(pair.a, pair.b)
     for metric in BITWISE + ["val/loss"]:
         result = comparison.metrics[metric]
@@ -62,7 +55,7 @@ def test_legacy_and_worker_are_bitwise_equal(parity_runner, base):
 
 
 def test_final_weights_are_bitwise_equal(parity_runner):
-    pair = _pair(parity_runner, FIXED)
+    pair = legacy_vs_worker(parity_runner, FIXED)
     wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (pair.a, pair.b))
     assert wa.keys() == wb.keys()
     for name in wa:
@@ -82,7 +75,7 @@ def test_any_local_hf_model_folder(parity_runner, tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "llama"))
     base = JobSpec(world_size=2, steps=3, model=str(tmp_path / "llama"))
-    pair = _pair(parity_runner, base)
+    pair = legacy_vs_worker(parity_runner, base)
     assert pair.b.manifest["num_params"] < 40_000
     assert_parity(pair.a, pair.b)
 
@@ -109,12 +102,12 @@ def test_first_step_loss_matches_float64_oracle(parity_runner):
             nll_sum += float((nll * mb.loss_mask.reshape(-1)).sum())
             tokens += mb.num_loss_tokens
     oracle = nll_sum / tokens
-    for run in _pair(parity_runner, FIXED).a, _pair(parity_runner, FIXED).b:
+    for run in legacy_vs_worker(parity_runner, FIXED).a, legacy_vs_worker(parity_runner, FIXED).b:
         assert abs(run.metrics["train/loss"][1] - oracle) / oracle <= 1e-6
 
 
 def test_val_loss_matches_float64_oracle(parity_runner):
-    run = _pair(parity_runner, FIXED).b
+    run = legacy_vs_worker(parity_runner, FIXED).b
     val = run.metrics["val/loss"].dropna()
     assert list(val.index) == [0, 20]
     before = oracle_val_loss()
@@ -124,7 +117,7 @@ def test_val_loss_matches_float64_oracle(parity_runner):
 
 
 def test_oracle_check_catches_old_formula(parity_runner):
-    run = _pair(parity_runner, FIXED, inject_b=["old-val-loss"]).b
+    run = legacy_vs_worker(parity_runner, FIXED, inject_b=["old-val-loss"]).b
     before = oracle_val_loss()
     assert abs(run.metrics["val/loss"][0] - before) / before > 0.4
 

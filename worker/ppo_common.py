@@ -65,13 +65,7 @@ class PPOConfig:
         return self.ppo_epochs * (self.global_batch_size // self.mini_batch_size)
 
     def batching(self) -> BatchingConfig:
-        return BatchingConfig(
-            micro_batch_size=self.micro_batch_size,
-            dynamic_bsz=self.dynamic_bsz,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            packed=self.packed,
-            horizon=float(self.max_new_tokens),
-        )
+        return BatchingConfig.of(self, self.max_new_tokens)
 
     def optim(self, lr: float) -> OptimConfig:
         return OptimConfig(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -165,6 +166,18 @@ class BatchingConfig:
     max_tokens_per_rank: int = 2048
     packed: bool = True
     horizon: float = 1.0
+
+    @classmethod
+    def of(cls, job_config: Any, horizon: int) -> BatchingConfig:
+        """The batching flags every job config (SFT, PPO) carries, with that job's horizon:
+        the constant length of seq-mean-token-sum-norm (SFT: max length, PPO: new tokens)."""
+        return cls(
+            micro_batch_size=job_config.micro_batch_size,
+            dynamic_bsz=job_config.dynamic_bsz,
+            max_tokens_per_rank=job_config.max_tokens_per_rank,
+            packed=job_config.packed,
+            horizon=float(horizon),
+        )
 
 
 def make_micro_batches(

@@ -63,13 +63,7 @@ class SFTConfig:
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
 
     def batching(self) -> BatchingConfig:
-        return BatchingConfig(
-            micro_batch_size=self.micro_batch_size,
-            dynamic_bsz=self.dynamic_bsz,
-            max_tokens_per_rank=self.max_tokens_per_rank,
-            packed=self.packed,
-            horizon=float(self.max_length),
-        )
+        return BatchingConfig.of(self, self.max_length)
 
     def optim(self) -> OptimConfig:
         return OptimConfig(
