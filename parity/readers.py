@@ -341,6 +341,20 @@ class _Tokens:
     n_lines: int
 
 
+def _maybe_bool(body: bytes, rows: np.ndarray) -> bool:
+    """Whether a row of `body` read as 0 or 1 may have been true/false (some pandas read those
+    as 1/0 where float() refuses them): its text ends in 'e' or 'E'. Only those rows are looked
+    at, found by their newlines, so a log with no such values pays nothing."""
+    if not len(rows):
+        return False
+    buf = np.frombuffer(body, dtype=np.uint8)
+    ends = np.append(np.flatnonzero(buf == ord("\n")), len(buf))
+    if len(ends) <= rows[-1]:
+        return True  # not one row per line: do not guess
+    last = buf[ends[rows] - 1]
+    return bool(((last == ord("e")) | (last == ord("E"))).any())
+
+
 def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     """The step lines of `raw` as tokens, or None ("let the line-by-line reader decide").
 
@@ -397,10 +411,8 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
         return None
     if at is not None and not _steps_are_digits(raw, at, steps):
         return None
-    if (b"e\n" in body or b"E\n" in body or body.endswith((b"e", b"E"))) and (
-        (vals[~is_step] == 0.0) | (vals[~is_step] == 1.0)
-    ).any():
-        return None  # maybe true/false, which the C parser reads as 1/0 and float() refuses
+    if _maybe_bool(body, np.flatnonzero(((vals == 0.0) | (vals == 1.0)) & ~is_step)):
+        return None
     return _Tokens(cats, codes, vals, n_lines)
 
 

@@ -20,6 +20,7 @@ from parity.readers import (
     MetricsError,
     _console_fast,
     _console_slow,
+    _maybe_bool,
     _step_text,
     _steps_are_digits,
     present_mask,
@@ -274,6 +275,15 @@ def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
     assert frame["b"].tolist() == [1.5, -2e-05, 0.0] and present.to_numpy().all()
     monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)  # two halves, merged
     assert _console_fast(text)[0].equals(frame)
+
+
+def test_maybe_bool_looks_only_at_rows_read_as_0_or_1():
+    """The true/false guard: a 0/1 row whose text ends in e/E declines the fast path; other
+    rows ending in 'e' (a key, an exponent-free value elsewhere) do not matter."""
+    body = b"step:1\na:true\nb:0.5\nc:1\nd:FALSE"
+    assert _maybe_bool(body, np.array([1])) and _maybe_bool(body, np.array([4]))
+    assert not _maybe_bool(body, np.array([3])) and not _maybe_bool(body, np.array([], int))
+    assert _maybe_bool(body, np.array([9]))  # more rows than lines: decline, do not guess
 
 
 STEP_TEXT_LINES = [
