@@ -366,8 +366,8 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     found = _step_text(raw)
     if found is None:
         lines = _STEP_LINE_B.findall(raw)
-        if not lines:
-            return None
+        if not lines:  # none in this half (maybe in the other)
+            return _Tokens([], np.zeros(0, dtype=np.int8), np.zeros(0), 0)
         text, at, n_lines = b"\n".join(lines), None, len(lines)
         del lines
     else:
@@ -466,6 +466,8 @@ def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     if any(p is None for p in pieces):
         return None
     tokens = _merge(pieces)  # type: ignore[arg-type]
+    if not tokens.n_lines:
+        return None
     codes, vals, n_lines, cats = tokens.codes, tokens.vals, tokens.n_lines, tokens.cats
     step_code = cats.index("step")
     is_step = codes == step_code

@@ -286,6 +286,18 @@ def test_maybe_bool_looks_only_at_rows_read_as_0_or_1():
     assert _maybe_bool(body, np.array([9]))  # more rows than lines: decline, do not guess
 
 
+def test_console_half_without_step_lines(monkeypatch):
+    """A half with only other output (start-up logs) is empty, not a reason to decline."""
+    import parity.readers
+
+    text = b"loading\n" * 8 + b"step:1 - a:1\nstep:2 - a:2"
+    whole = _console_fast(text)
+    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)
+    halves = _console_fast(text)
+    assert whole is not None and halves is not None and halves[0].equals(whole[0])
+    assert _console_fast(b"loading\n" * 8) is None  # no step line at all: the slow reader says
+
+
 STEP_TEXT_LINES = [
     "step:1 - a:1",
     "step:12 - a:1 - b:2",
