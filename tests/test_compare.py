@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from parity.compare import (
@@ -21,6 +21,9 @@ from parity.readers import read_metrics
 
 finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True)
 anyfloat = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+edgy = st.sampled_from([0.0, -0.0, 1.0, -1.0, 5e-324, math.nan, math.inf, -math.inf]) | anyfloat
 
 
 def bits(x: float) -> int:
@@ -374,3 +377,34 @@ def test_step_policies_on_the_command_line_and_in_a_spec(tmp_path, capsys):
     spec.write_text('task = "custom"\ncommand = ["x.py"]\n[policies]\n"train/loss" = "ulp:x"\n')
     with pytest.raises(SpecError, match=r"job\.toml: policies\.'train/loss': bad policy 'ulp:x'"):
         load_policies(spec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(edgy, edgy | st.just(None)), max_size=8))  # None: b = a
+@example(pairs=[(1.0, None), (0.0, -0.0)])  # differs only in the sign of zero: 0 at step 1
+@example(pairs=[(1.0, 2.0), (0.0, -0.0), (3.0, 4.0)])  # the first of two largest
+def test_largest_differences_are_the_full_arrays(pairs):
+    """The distances, computed only where the bits differ, give what the whole arrays give:
+    the first largest |a-b|, relative difference and ULP distance, and their steps."""
+    a = np.array([x for x, _ in pairs], dtype=np.float64)
+    b = np.array([x if y is None else y for x, y in pairs], dtype=np.float64)
+    steps = pd.Index(np.arange(1, len(a) + 1), name="step")
+    frames = [pd.DataFrame({"x": v}, index=steps) for v in (a, b)]
+    for f in frames:  # a NaN is a value here, not a missing step
+        f.attrs["present"] = pd.DataFrame({"x": True}, index=steps)
+    m = compare_frames(*frames).metrics["x"]
+    if not len(a):
+        return
+    same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore", over="ignore"):
+        absd = np.where(same, 0.0, np.abs(a - b))
+        absd = np.where(np.isnan(absd), np.inf, absd)
+        reld = np.where(absd == 0, 0.0, absd / np.maximum(np.abs(a), np.abs(b)))
+        reld = np.where(np.isnan(reld), np.inf, reld)
+    ulp = ulp_distance(a, b)
+    for got, step, want in (
+        (m.max_abs_diff, m.max_abs_diff_step, absd),
+        (m.max_rel_diff, m.max_rel_diff_step, reld),
+        (m.max_ulp, m.max_ulp_step, ulp),
+    ):
+        assert got == want.max() and step == int(np.argmax(want)) + 1
