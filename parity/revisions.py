@@ -24,7 +24,7 @@ from parity.compare import Comparison, Policy
 from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
 from parity.readers import read_metrics
 from parity.report import Report, build_report
-from parity.runs import end_record_written, mark_teardown, teardown_line
+from parity.runs import end_record_written, mark_teardown, teardown_line, teardown_verdict
 from parity.spec import JobSpec
 
 __all__ = [
@@ -58,11 +58,8 @@ class CheckResult:
 
     @property
     def verdict(self) -> str:
-        """The metrics verdict, but "failed" after a teardown failure unless that is allowed
-        (as `parity pair` judges it: runs.PairResult.verdict)."""
-        if self.teardown and not self.allow_teardown_failure:
-            return "failed"
-        return self.comparison.verdict
+        """The metrics verdict, but "failed" after a teardown failure unless that is allowed."""
+        return teardown_verdict(self.teardown, self.allow_teardown_failure, self.comparison)
 
     def teardown_line(self) -> str:
         return teardown_line(self.teardown, self.comparison)

@@ -65,9 +65,7 @@ class PairResult:
         """
         if self.floor is not None and not self.floor.deterministic:
             return NONDETERMINISTIC
-        if self.teardown and not self.allow_teardown_failure:
-            return "failed"
-        return self.comparison.verdict
+        return teardown_verdict(self.teardown, self.allow_teardown_failure, self.comparison)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +75,16 @@ class PairResult:
         """One line naming each side's teardown failure, or '' when there was none."""
         named = [(f"side {side.upper()}", result) for side, result in self.teardown]
         return teardown_line(named, self.comparison)
+
+
+def teardown_verdict(
+    teardown: list[tuple[str, LaunchResult]], allow_teardown_failure: bool, comparison: Comparison
+) -> str:
+    """The metrics verdict, but "failed" after a teardown failure unless that is allowed (the
+    one rule for `pair` and `check`)."""
+    if teardown and not allow_teardown_failure:
+        return "failed"
+    return comparison.verdict
 
 
 def teardown_line(teardown: list[tuple[str, LaunchResult]], comparison: Comparison) -> str:
