@@ -341,6 +341,10 @@ def launch_nodes(
     stop = threading.Event()
     results: dict[int, LaunchResult] = {}
     errors: list[BaseException] = []
+    # one per node, set once its launch returned (its processes killed). Waited on instead of
+    # Thread.join(timeout): in CPython 3.11 a Ctrl-C inside join(timeout) marks a thread that
+    # is still running as stopped, so the cleanup below would not wait for that node's kill.
+    done = {rank: threading.Event() for rank in ranks}
 
     def tick(first: bool) -> None:
         if stop.is_set():
@@ -370,23 +374,24 @@ def launch_nodes(
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
             stop.set()
+        finally:
+            done[rank].set()
 
     start = time.monotonic()
-    threads = [threading.Thread(target=node, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
+    for rank in ranks:
+        threading.Thread(target=node, args=(rank,), daemon=True).start()
     failed_at: float | None = None
     try:
-        while any(t.is_alive() for t in threads):
-            threads[0].join(0.2)
+        while not all(event.is_set() for event in done.values()):
+            time.sleep(0.2)
             if failed_at is None and any(not r.ok for r in list(results.values())):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > peer_grace_s:
                 stop.set()
     finally:  # Ctrl-C here: every node's launch kills its processes before we go on
         stop.set()
-        for t in threads:
-            t.join()
+        for event in done.values():
+            event.wait()
     if errors:
         raise errors[0]
     return _merge_nodes(results, nnodes, run_dir, time.monotonic() - start, timeout_s,

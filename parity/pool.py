@@ -68,10 +68,12 @@ class Pool:
         self.jobs = 0
         self.result: LaunchResult | None = None  # the launch's, once it ended
         self._stop = threading.Event()
+        # set when the launch thread is done, cleanup included; waited on instead of
+        # Thread.join(timeout), which a Ctrl-C breaks in CPython 3.11 (see launch_nodes)
+        self._ended = threading.Event()
         self._error: BaseException | None = None
         self.queue.mkdir(parents=True, exist_ok=True)
-        self._thread = threading.Thread(target=self._launch, name=f"pool-{nproc}", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._launch, name=f"pool-{nproc}", daemon=True).start()
 
     def _launch(self) -> None:
         from parity.launch import launch
@@ -90,6 +92,8 @@ class Pool:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by `run` as a dead pool
             self._error = e
+        finally:
+            self._ended.set()
 
     def _tick(self) -> None:
         if self._stop.is_set():
@@ -97,7 +101,7 @@ class Pool:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return not self._ended.is_set() and not self._stop.is_set()
 
     def run(self, spec: JobSpec, out: Path) -> Run | None:
         """Run `spec` into `out`; None when the pool failed on it or it ran past its timeout
@@ -117,7 +121,7 @@ class Pool:
         done, deadline = _done_file(self.queue, n), time.monotonic() + spec.timeout_s
         try:
             while not done.exists():
-                if not self._thread.is_alive():
+                if self._ended.is_set():
                     return None
                 if time.monotonic() > deadline:
                     self.kill()
@@ -163,14 +167,14 @@ class Pool:
         """Ask the ranks to exit after their current job; kill them if they have not in grace_s."""
         from parity.files import write_json_atomic
 
-        if self._thread.is_alive():
+        if not self._ended.is_set():
             write_json_atomic(_job_file(self.queue, self.jobs), {"stop": True})
-            self._thread.join(grace_s)
+            self._ended.wait(grace_s)
         self.kill()
 
     def kill(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self._ended.wait()
 
 
 class Pools:

@@ -13,8 +13,9 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def procs_mentioning(text: str) -> list[int]:
-    """Live (non-zombie) pids whose command line contains ``text`` (a test's unique folder)."""
+def procs_mentioning(text: str) -> list[str]:
+    """Live (non-zombie) processes whose command line contains ``text`` (a test's unique
+    folder), as "pid state: command line" so that a failing assertion shows what was left."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -25,7 +26,7 @@ def procs_mentioning(text: str) -> list[int]:
         except (OSError, IndexError):
             continue
         if state != "Z" and text.encode() in cmdline:
-            found.append(int(entry.name))
+            found.append(f"{entry.name} {state}: {cmdline.decode(errors='replace').strip()}")
     return found
 
 

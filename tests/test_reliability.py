@@ -211,6 +211,47 @@ def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path) -> Non
     assert procs_mentioning(str(tmp_path)) == []
 
 
+_SLOW_NODE_0_CLEANUP = """
+import sys, time
+from pathlib import Path
+import parity.launch as launch_module
+
+def fake_launch(args, *, run_dir, on_tick, **kwargs):
+    run_dir.mkdir(parents=True)
+    (run_dir / "up").write_text("")
+    try:
+        while True:
+            time.sleep(0.05)
+            on_tick()
+    finally:  # node 0 takes longer to kill its processes than node 1
+        time.sleep(1.5 if run_dir.name == "node0" else 0)
+        (run_dir / "cleaned").write_text("")
+
+launch_module.launch = fake_launch
+launch_module.launch_nodes(["x"], nnodes=2, nproc=1, run_dir=Path(sys.argv[1]))
+"""
+
+
+def test_ctrl_c_waits_for_every_node_to_clean_up(tmp_path: Path) -> None:
+    """CPython 3.11's Thread.join(timeout), interrupted by Ctrl-C, marks a running thread as
+    stopped; launch_nodes must still wait for the slow node's cleanup before it exits."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_NODE_0_CLEANUP, str(tmp_path)], preexec_fn=interruptible
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"node{n}" / "up").exists() for n in (0, 1)):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.5)  # launch_nodes is in its wait loop now
+        parent.send_signal(signal.SIGINT)
+        assert parent.wait(timeout=30) != 0
+    finally:
+        parent.kill()
+    assert (tmp_path / "node1" / "cleaned").exists()
+    assert (tmp_path / "node0" / "cleaned").exists(), "exited before node 0 had cleaned up"
+
+
 # --- a val set smaller than one batch: a correct value or a one-line error, never NaN ----------
 
 
