@@ -342,6 +342,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parity: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except LaunchError as e:
+        refused = e.result.refused_arguments
+        if refused is not None:  # e.g. a misspelled key in the spec's overrides
+            source = getattr(args, "spec", None) or "the job's flags"
+            print(
+                f"parity: error: {source}: the job refused its arguments: {refused} "
+                f"(log: {e.result.run_dir})",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
         if getattr(args, "json", False):  # a crashed run is "failed", never aligned or diverged
             print(json.dumps({"verdict": "failed", **e.result.to_dict(), "error": str(e)}))
         print(f"parity: run failed: {e}", file=sys.stderr)

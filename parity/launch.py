@@ -60,6 +60,9 @@ _AGENT_FAIL_RE = re.compile(
     r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<local>\d+) \(pid: (?P<pid>\d+)\)"
 )
 _ROOT_MARK = "Root Cause (first observed failure):"
+# argparse's last line when a job refuses its command line (exit code 2, after the usage):
+#   python -m worker.sft: error: unrecognized arguments: --val-sampels 3
+_ARGPARSE_ERROR = re.compile(r"^\S.*?: error: (?P<message>.+)$")
 
 
 @dataclass
@@ -116,6 +119,17 @@ class LaunchResult:
         if self.output_complete:
             return "teardown-hang" if self.timed_out else "teardown-crash"
         return "timeout" if self.timed_out else "crash"
+
+    @property
+    def refused_arguments(self) -> str | None:
+        """argparse's message when the job refused its command line (exit code 2 after a usage
+        line, e.g. "unrecognized arguments: --val-sampels 3"): bad input, not a crash."""
+        if self.ok or not self.failures or self.failures[0].exitcode != 2:
+            return None
+        tail = self.failures[0].log_tail
+        lines = [line for line in tail.splitlines() if line.strip()]
+        m = _ARGPARSE_ERROR.match(lines[-1]) if lines else None
+        return m["message"] if m and "usage:" in tail else None
 
     def to_dict(self) -> dict:
         """JSON-able summary: reason, exit code, and each failing rank with its signal."""

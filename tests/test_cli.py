@@ -112,3 +112,50 @@ def test_progress_counts_logged_steps(tmp_path):
     shown.tick()
     assert shown.bar.n == 3
     shown.close()
+
+
+def _refusal_tail(tmp_path, capsys, *flags):
+    """What a rank's stderr holds when the job refuses `flags`: the real parser's output."""
+    from worker.trainers.common import parse_config
+
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--out", str(tmp_path), *flags])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_jobs_take_no_abbreviated_flags(tmp_path, capsys):
+    """--val-sample is not --val-samples: a job must run exactly the flags its spec names."""
+    tail = _refusal_tail(tmp_path, capsys, "--val-sample", "3")
+    assert tail.rstrip().endswith("error: unrecognized arguments: --val-sample 3")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeypatch, as_json):
+    """A misspelled override reaches the job as a flag it does not know: exit 2 and one line
+    naming the spec, not "run failed" (3). Other failures with exit code 2 stay failures."""
+    import parity.runs
+    from parity.launch import LaunchError, LaunchResult, RankFailure
+
+    tail = _refusal_tail(tmp_path, capsys, "--val-sampels", "3")
+    spec = tmp_path / "pair.toml"
+    spec.write_text('world_size = 2\n[overrides]\nval_sampels = 3\n[a]\ntrainer = "legacy"\n[b]\n')
+    failures: list[RankFailure] = []
+
+    def refused(pair, out, policies, **kwargs):
+        result = LaunchResult(returncode=1, timed_out=False, duration_s=1.0, run_dir=out / "a")
+        result.failures = failures
+        raise LaunchError(result)
+
+    monkeypatch.setattr(parity.runs, "run_pair", refused)
+    args = ["pair", "--spec", str(spec), "--out", str(tmp_path / "out")] + ["--json"] * as_json
+    failures[:] = [RankFailure(0, 2, None, tail), RankFailure(1, -15, "SIGTERM", "")]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"parity: error: {spec}: the job refused its arguments: ")
+    assert "unrecognized arguments: --val-sampels 3 (log: " in err
+    for first in (RankFailure(0, 2, None, "error: bad things"), RankFailure(0, 1, None, tail)):
+        failures[:] = [first]  # no usage line, or not argparse's exit code: a failed run
+        assert main(args) == 3
+        assert "run failed" in capsys.readouterr().err

@@ -68,7 +68,8 @@ def job_arg_parser(prog: str, description: str, config_cls: type) -> argparse.Ar
     from worker.losses import AGG_MODES
 
     d = {f.name: f.default for f in dataclasses.fields(config_cls)}
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    # no abbreviations: a misspelled or shortened flag is refused, never taken for another one
+    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     p.add_argument("--out", type=Path, required=True, help="run folder for metrics and manifest")
     p.add_argument("--trainer", choices=["legacy", "worker"], default=d["trainer"])
     p.add_argument("--engine", choices=["fsdp2", "ddp"], default=d["engine"])
