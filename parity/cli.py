@@ -52,7 +52,7 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from parity.runs import run_pair
+    from parity.runs import run_pair, teardown_notes
 
     if args.spec:
         loaded = load_spec(args.spec)
@@ -92,7 +92,7 @@ def cmd_pair(args: argparse.Namespace) -> int:
         in_process=args.in_process,
     )
     labels = ("A", "A' (A again)") if result.verdict == "nondeterministic" else ("A", "B")
-    notes = [f"verdict {result.verdict}: {result.teardown_line()}"] if result.teardown else []
+    notes = teardown_notes(result)
     md = write_report(result.a.dir, result.b.dir, result.dir, policies, labels=labels, notes=notes)
     html = md.with_name("report.html")
     if not args.json:

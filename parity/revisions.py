@@ -24,7 +24,13 @@ from parity.compare import Comparison, Policy
 from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
 from parity.readers import read_metrics
 from parity.report import Report, build_report
-from parity.runs import end_record_written, mark_teardown, teardown_line, teardown_verdict
+from parity.runs import (
+    end_record_written,
+    mark_teardown,
+    teardown_line,
+    teardown_notes,
+    teardown_verdict,
+)
 from parity.spec import JobSpec
 
 __all__ = [
@@ -202,8 +208,7 @@ def _failed(launches: Mapping[str, LaunchResult]) -> list[tuple[str, LaunchResul
 
 def _written(result: CheckResult, report: Report, out: Path) -> CheckResult:
     """``result`` once its report is written, with the teardown failures among its notes."""
-    if result.teardown:
-        report.notes.append(f"verdict {result.verdict}: {result.teardown_line()}")
+    report.notes += teardown_notes(result)
     result.report = report.write(out)
     return result
 

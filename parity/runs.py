@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
@@ -23,6 +24,9 @@ from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
 from parity.noise import NONDETERMINISTIC, NoiseFloor, measure_floor
 from parity.readers import MetricsError, read_metrics
 from parity.spec import JobSpec, PairSpec
+
+if TYPE_CHECKING:
+    from parity.revisions import CheckResult
 
 
 @dataclass
@@ -100,6 +104,11 @@ def teardown_line(teardown: list[tuple[str, LaunchResult]], comparison: Comparis
         f"teardown failure after complete metrics: {'; '.join(parts)}; "
         f"metrics compared anyway: {comparison.verdict}"
     )
+
+
+def teardown_notes(result: PairResult | CheckResult) -> list[str]:
+    """The report's note on a teardown failure of `pair` or `check` (none without one)."""
+    return [f"verdict {result.verdict}: {result.teardown_line()}"] if result.teardown else []
 
 
 def steps_logged(metrics_file: Path) -> int:
