@@ -240,7 +240,8 @@ def _suite_child(pytest_args: list[str]) -> None:
 
     Memory: the peak over the run of the whole process tree's summed PSS and RSS, sampled every
     half second (pools, torchrun agents and ranks included), and the largest single process's
-    peak RSS (RUSAGE_CHILDREN: this process runs the suite and nothing else).
+    peak RSS and the CPU time of the tree (RUSAGE_CHILDREN: this process runs the suite and
+    nothing else; ranks count once their torchrun has reaped them).
     """
     import threading
 
@@ -265,7 +266,8 @@ def _suite_child(pytest_args: list[str]) -> None:
     lines = out.strip().splitlines() or [""]
     tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
     failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
-    report = {"wall_s": wall, "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
+    report = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+              "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
               "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail,
               "failed": failed}  # fmt: skip
     print(json.dumps(report))
@@ -288,6 +290,10 @@ def bench_suite(pytest_args: list[str]) -> None:
           f"{r['tree_pss_kib'] / 1024:.0f} MiB PSS ({r['tree_rss_kib'] / 1024:.0f} MiB RSS), "
           f"largest process {r['maxrss_kib'] / 1024:.0f} MiB; "
           f"exit {r['rc']}: {r['tail']}")  # fmt: skip
+    cores = os.cpu_count() or 1
+    print(f"          CPU time of the tree {r['cpu_s']:.0f} s: {r['cpu_s'] / r['wall_s']:.2f} of "
+          f"{cores} cores busy on average; even perfectly packed the suite needs "
+          f"{r['cpu_s'] / cores:.0f} s here")  # fmt: skip
     for line in r["failed"]:
         print(f"          {line}")
 
