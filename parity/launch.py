@@ -162,6 +162,8 @@ class LaunchResult:
         if self.ok:
             return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
         lines: list[str] = []
+        if self.refused_arguments is not None:  # bad input: say so before the rank details
+            lines.append(f"the job refused its arguments: {self.refused_arguments}")
         if self.output_complete:
             how = "hung" if self.timed_out else "crashed"
             first = f" ({self.failures[0].headline()})" if self.failures else ""

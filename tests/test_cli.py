@@ -155,6 +155,10 @@ def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeyp
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"parity: error: {spec}: the job refused its arguments: ")
     assert "unrecognized arguments: --val-sampels 3 (log: " in err
+    refusal = LaunchError(LaunchResult(2, False, 1.0, tmp_path, failures=failures[:1]))
+    assert str(refusal).splitlines()[0] == (  # in pytest and run_job too: the cause comes first
+        "the job refused its arguments: unrecognized arguments: --val-sampels 3"
+    )
     for first in (RankFailure(0, 2, None, "error: bad things"), RankFailure(0, 1, None, tail)):
         failures[:] = [first]  # no usage line, or not argparse's exit code: a failed run
         assert main(args) == 3
