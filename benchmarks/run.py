@@ -170,29 +170,44 @@ def _launch_once(steps: int) -> tuple[float, float]:
         return wall, _train_seconds(run.dir)
 
 
-def _medians(fn: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
-    results = [fn() for _ in range(repeats)]
-    return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
+Timed = Callable[[], tuple[float, float]]  # one run: (wall time, training time inside it)
+
+
+def _interleaved(fns: list[Timed], repeats: int) -> list[tuple[float, float, float]]:
+    """Per fn: median wall, median training and median of the runs' own wall/training. The fns
+    take turns, so a drift of this VM's speed during the repeats hits each of them alike."""
+    runs: list[list[tuple[float, float]]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for out, fn in zip(runs, fns, strict=True):
+            out.append(fn())
+    return [
+        (
+            statistics.median(w for w, _ in r),
+            statistics.median(t for _, t in r),
+            statistics.median(w / t for w, t in r),
+        )
+        for r in runs
+    ]
 
 
 def bench_pairs(step_counts: tuple[int, ...], repeats: int) -> None:
     """(1): overhead = pair wall time / training time inside it, separate vs in-process."""
     for steps in step_counts:
-        row = {}
-        for mode, in_process in (("separate", False), ("in-process", True)):
-            wall, train = _medians(lambda s=steps, ip=in_process: _pair_once(s, ip), repeats)
-            row[mode] = (wall, train)
-        (ws, ts), (wi, ti) = row["separate"], row["in-process"]
-        goal = f" (goal <= 1.15: {_goal(wi / ti <= 1.15)})" if steps >= 200 else ""
-        print(f"overhead  2 ranks x {steps} steps: two launches {ws:.1f} s / training {ts:.1f} s = "
-              f"{ws / ts:.2f}; in-process {wi:.1f} s / {ti:.1f} s = {wi / ti:.2f}{goal}; "
+        separate, in_process = _interleaved(
+            [lambda s=steps: _pair_once(s, False), lambda s=steps: _pair_once(s, True)], repeats
+        )
+        (ws, ts, rs), (wi, ti, ri) = separate, in_process
+        goal = f" (goal <= 1.15: {_goal(ri <= 1.15)})" if steps >= 200 else ""
+        print(f"overhead  2 ranks x {steps} steps: two launches {ws:.1f} s / training {ts:.1f} s, "
+              f"ratio {rs:.2f}; in-process {wi:.1f} s / {ti:.1f} s, ratio {ri:.2f}{goal}; "
               f"in-process saves {ws - wi:.1f} s ({ws / wi:.2f}x)")  # fmt: skip
 
 
 def bench_startup(repeats: int) -> None:
     """(2): one launch's start-up, and a whole in-process 20-step pair against one launch."""
-    one_wall, one_train = _medians(lambda: _launch_once(20), repeats)
-    pair_wall, pair_train = _medians(lambda: _pair_once(20, True), repeats)
+    (one_wall, one_train, _), (pair_wall, pair_train, _) = _interleaved(
+        [lambda: _launch_once(20), lambda: _pair_once(20, True)], repeats
+    )
     startup, pair_startup = one_wall - one_train, pair_wall - pair_train
     ratio = pair_startup / startup
     print(f"start-up  one launch (2 ranks, 20 steps): {one_wall:.1f} s wall, {startup:.1f} s of it "
