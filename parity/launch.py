@@ -162,8 +162,9 @@ class LaunchResult:
         if self.ok:
             return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
         lines: list[str] = []
-        if self.refused_arguments is not None:  # bad input: say so before the rank details
-            lines.append(f"the job refused its arguments: {self.refused_arguments}")
+        refused = self.refused_arguments  # bad input: say so before the rank details
+        if refused is not None:
+            lines.append(f"the job refused its arguments: {refused}")
         if self.output_complete:
             how = "hung" if self.timed_out else "crashed"
             first = f" ({self.failures[0].headline()})" if self.failures else ""
