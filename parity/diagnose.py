@@ -1,12 +1,16 @@
 """Diagnosis beyond the verdict: *why* two runs part, and which rank breaks ranks within one run.
 
-It reads only the files a job writes next to metrics.jsonl (worker/trainers/common.py JobLog):
+It reads only the files a job writes next to metrics.jsonl (worker/metrics_log.py JobLog):
 
 - ``ranks/rank{r}.jsonl``: every rank's own post-reduction metrics (metrics.jsonl format) and,
   in ``_meta.data``, a digest of the micro-batches it trained on (``train``) and evaluated
   (``val``) that step. Equal digests in A and B mean the same token ids, labels, positions and
   loss masks in the same micro-batches, so a divergence is either "batches differ from step k"
   (data order, sampler, packing) or "same batches, numbers differ from step k" (numerics).
+  PPO jobs also digest each step's ``prompts`` and the ``rollout`` (the scoring forwards over
+  prompt + response): prompts that differ are the data order; the same prompts with other
+  rollouts are "rollouts differ" (generation); the same rollouts cut into other batches are
+  the mini-batch shuffle or packing.
 - ``fingerprints.jsonl``: rank 0's hash of every full parameter (before the step's update) and
   pre-clip gradient at the ``--fingerprint-steps``: the first step and the tensors that differ
   point at a layer.
@@ -46,6 +50,8 @@ __all__ = [
 ]
 
 RANKS_DIR, FINGERPRINTS = "ranks", "fingerprints.jsonl"
+KINDS = ("prompts", "rollout", "train", "val")  # digest kinds, in the order a step runs them
+_WHAT = {"prompts": "prompts", "rollout": "rollouts", "train": "batches", "val": "val batches"}
 _RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
 MAX_NAMES = 3  # tensor names quoted in one line
 
@@ -121,7 +127,7 @@ def _rank_files(run_dir: Path) -> dict[int, Path]:
 
 
 def read_rank_data(run_dir: str | os.PathLike[str]) -> dict[int, dict[int, dict[str, dict]]]:
-    """rank -> step -> {"train"|"val": {"hash", "micro_batches", "tokens", "loss_tokens"}}.
+    """rank -> step -> {kind: {"hash", and counts}}, kinds as in KINDS (SFT: train, val).
 
     {} when the run has no ranks/ folder; DiagnosisError on a malformed record.
     """
@@ -179,7 +185,8 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 @dataclass
 class DataDiff:
-    """Where the batches of A and B first differ, for training ("train") or evaluation ("val")."""
+    """Where A's and B's digests of one kind (KINDS: "train", "val", PPO's "prompts" and
+    "rollout") first differ."""
 
     kind: str
     status: Literal["same", "differ", "unavailable"] = "unavailable"
@@ -189,7 +196,7 @@ class DataDiff:
     detail: str = ""  # counts at the first differing step, or why it is unavailable
 
     def line(self) -> str:
-        what = "batches" if self.kind == "train" else f"{self.kind} batches"
+        what = _WHAT.get(self.kind, f"{self.kind} batches")
         if self.status == "differ":
             return (
                 f"{what} differ from step {self.first_step} ({_ranks(self.ranks)}): {self.detail}"
@@ -349,6 +356,8 @@ def rank_agreement(run_dir: str | os.PathLike[str]) -> RankAgreement:
 def _counts(d: dict | None) -> str:
     if not d:
         return "nothing"
+    if "prompts" in d:
+        return f"{d.get('prompts')} prompts, {d.get('tokens')} tokens"
     return f"{d.get('micro_batches')} micro-batches, {d.get('tokens')} tokens"
 
 
@@ -380,7 +389,8 @@ def compare_data(
             x, y = entries[r]
             out.status, out.first_step, out.ranks = "differ", step, differ
             out.steps_compared = compared
-            out.detail = f"rank {r} ran {_counts(x)} in a, {_counts(y)} in b"
+            verb = "got" if kind == "prompts" else "ran"
+            out.detail = f"rank {r} {verb} {_counts(x)} in a, {_counts(y)} in b"
             return out
     out.status, out.steps_compared = ("same", compared) if compared else ("unavailable", 0)
     if not compared:
@@ -425,24 +435,48 @@ class Diagnosis:
     """What kind of divergence A vs B is, where it starts, and whether each run's ranks agree."""
 
     verdict: str
-    kind: Literal["batches differ", "same batches, numbers differ", "aligned", "unknown"]
+    kind: Literal[
+        "batches differ", "rollouts differ", "same batches, numbers differ", "aligned", "unknown"
+    ]
     step: int | None = None
     metric: str | None = None
     train: DataDiff = field(default_factory=lambda: DataDiff("train"))
     val: DataDiff = field(default_factory=lambda: DataDiff("val"))
+    prompts: DataDiff = field(default_factory=lambda: DataDiff("prompts"))  # PPO only
+    rollout: DataDiff = field(default_factory=lambda: DataDiff("rollout"))  # PPO only
     fingerprints: FingerprintDiff = field(default_factory=FingerprintDiff)
     ranks: dict[str, RankAgreement] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
+    def data(self) -> dict[str, DataDiff]:
+        """Every digest kind's comparison, in KINDS order."""
+        return {kind: getattr(self, kind) for kind in KINDS}
+
+    def _same_until(self, kind: str) -> bool:
+        """Whether `kind` was compared and is the same at least up to this step."""
+        d = getattr(self, kind)
+        return d.status == "same" or (d.first_step is not None and d.first_step > self.step)
+
     def headline(self) -> str:
         """One line for a diverged verdict ("" when nothing was recorded to tell from)."""
-        if self.kind == "batches differ":
-            d = self.train if self.train.first_step == self.step else self.val
-            what = "batches" if d.kind == "train" else f"{d.kind} batches"
-            return (
-                f"{what} differ from step {self.step} ({_ranks(d.ranks)}): data order, sampler "
-                f"or packing, not numerics; {d.detail}"
-            )
+        if self.kind in ("batches differ", "rollouts differ"):
+            d = next(d for d in self.data().values() if d.first_step == self.step)
+            where = f"{_WHAT[d.kind]} differ from step {self.step} ({_ranks(d.ranks)})"
+            if d.kind == "prompts":
+                why = "data order or sampler, not numerics"
+            elif d.kind == "rollout":
+                why = (
+                    "the same prompts got other responses: generation (sampling or the rollout "
+                    "code), not the data order"
+                    if self._same_until("prompts")
+                    else "generation or the prompts"
+                )
+            elif self._same_until("prompts") and self._same_until("rollout"):
+                why = "the same rollouts cut into other batches (mini-batch shuffle or packing)"
+                why += ", not numerics"
+            else:
+                why = "data order, sampler or packing, not numerics"
+            return f"{where}: {why}; {d.detail}"
         if self.kind == "same batches, numbers differ":
             return f"same batches, numbers differ from step {self.step} ({self.metric})"
         if self.kind == "unknown" and self.metric is not None and self.train.detail:
@@ -472,7 +506,7 @@ class Diagnosis:
                 "metric": self.metric,
                 "headline": self.headline(),
                 "lines": self.lines(),
-                "data": {"train": vars(self.train).copy(), "val": vars(self.val).copy()},
+                "data": {kind: vars(d).copy() for kind, d in self.data().items()},
                 "fingerprints": {**vars(self.fingerprints), "root": self.fingerprints.root},
                 "ranks": {side: r.to_dict() for side, r in self.ranks.items()},
                 "errors": list(self.errors),
@@ -516,20 +550,22 @@ def diagnose(
             except MetricsError as e:
                 out.errors.append(str(e))
     if data["a"] or data["b"]:
-        out.train = compare_data(data["a"], data["b"], "train")
-        out.val = compare_data(data["a"], data["b"], "val")
+        for kind in KINDS:
+            setattr(out, kind, compare_data(data["a"], data["b"], kind))
     try:
         out.fingerprints = compare_fingerprints(dirs["a"], dirs["b"])
     except MetricsError as e:
         out.errors.append(str(e))
-    # the earliest data difference at or before the first metric divergence explains it
+    # the earliest data difference at or before the first metric divergence explains it; at one
+    # step, the earliest in the step's own order (prompts, rollout, train, val)
     candidates = [
-        (d.first_step, i)
-        for i, d in enumerate((out.train, out.val))
+        (d.first_step, i, d.kind)
+        for i, d in enumerate(out.data().values())
         if d.first_step is not None and (step is None or d.first_step <= step)
     ]
     if candidates:
-        out.kind, out.step = "batches differ", min(candidates)[0]
+        out.step, _, root = min(candidates)
+        out.kind = "rollouts differ" if root == "rollout" else "batches differ"
         return out
     if step is None:
         out.kind = "aligned" if verdict == "aligned" else "unknown"

@@ -28,6 +28,19 @@ SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
 # 3 steps with every parameter and gradient hashed at each (worker/fingerprint.py)
 FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "all"})
 
+# charcount PPO: 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO
+# step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 4 steps: every
+# PPO mutant is caught by step 2, and reward/mean already varies (0, .375, .25, 0 from the
+# SFT-warmed actor).
+PPO = JobSpec(
+    task="charcount-ppo",
+    world_size=2,
+    steps=4,
+    global_batch_size=8,
+    micro_batch_size=1,
+    overrides={"ppo_mini_batch_size": 4},
+)
+
 
 def legacy_vs_worker(runner, base: JobSpec, inject_b: list[str] | None = None):
     """The pair every parity check starts from: the legacy trainer (A) against the worker (B,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from specs import EPOCHS, FINGERPRINTED, FIXED, legacy_vs_worker, plain
+from specs import EPOCHS, FINGERPRINTED, FIXED, PPO, legacy_vs_worker, plain
 
 from parity.cli import main
 from parity.compare import compare_frames
@@ -54,9 +54,11 @@ def make_run(
     val_from: int | None = None,
     lr_rank: tuple[int, int] | None = None,
     fingerprints: dict | None = None,
+    ppo_from: dict[str, int | None] | None = None,
 ) -> Path:
     """A run folder as a job writes it. loss_from: loss changes from that step; data_from:
-    {rank: step} batch digests change from; lr_rank: (rank, step) that rank's lr is off from."""
+    {rank: step} batch digests change from; lr_rank: (rank, step) that rank's lr is off from;
+    ppo_from: PPO's prompts and rollout digests are recorded, {kind: step} they change from."""
     metrics, per_rank = [], {r: [] for r in range(ranks)}
     for step in range(1, steps + 1):
         m = {"train/loss": 2.0 / step, "train/lr": 0.001, "train/global_tokens": 100.0}
@@ -67,6 +69,10 @@ def make_run(
             changed = data_from is not None and r in data_from and step >= data_from[r]
             data = {"train": {"hash": f"t{step}r{r}{'x' if changed else ''}"}}
             data["train"].update(micro_batches=2, tokens=50 + int(changed), loss_tokens=30)
+            for kind, start in (ppo_from or {}).items():
+                x = "x" if start is not None and step >= start else ""
+                counts = {"prompts": 4} if kind == "prompts" else {"micro_batches": 12}
+                data[kind] = {"hash": f"{kind}{step}r{r}{x}", **counts, "tokens": 240 + len(x)}
             if step == steps:
                 vchanged = val_from is not None and step >= val_from
                 data["val"] = {"hash": f"v{'x' if vchanged else ''}", "micro_batches": 1}
@@ -123,6 +129,49 @@ def test_numbers_first_then_batches_is_numerics(tmp_path):
     d = _diagnose(a, b)
     assert (d.kind, d.step) == ("same batches, numbers differ", 2)
     assert any(line.startswith("batches differ from step 4 (rank 0)") for line in d.lines())
+
+
+@pytest.mark.parametrize(
+    ("changed", "kind", "headline"),
+    [
+        (
+            {"prompts": 2, "rollout": 2},
+            "batches differ",
+            "prompts differ from step 2 (ranks 0, 1): data order or sampler, not numerics; rank 0 "
+            "got 4 prompts, 240 tokens in a, 4 prompts, 241 tokens in b",
+        ),
+        (
+            {"prompts": None, "rollout": 2},
+            "rollouts differ",
+            "rollouts differ from step 2 (ranks 0, 1): the same prompts got other responses: "
+            "generation",
+        ),
+        (
+            {"prompts": None, "rollout": None},
+            "batches differ",
+            "batches differ from step 2 (ranks 0, 1): the same rollouts cut into other batches "
+            "(mini-batch shuffle or packing), not numerics",
+        ),
+    ],
+    ids=["prompts", "rollout", "mini-batches"],
+)
+def test_ppo_runs_say_which_stage_of_the_step_differs(tmp_path, changed, kind, headline):
+    """A PPO step runs prompts -> rollout -> update batches: the first that differs is named."""
+    a = make_run(tmp_path / "a", ppo_from={"prompts": None, "rollout": None})
+    b = make_run(tmp_path / "b", loss_from=2, data_from={0: 2, 1: 2}, ppo_from=changed)
+    d = _diagnose(a, b)
+    assert (d.kind, d.step) == (kind, 2), d.lines()
+    assert d.headline().startswith(headline), d.headline()
+    out = d.to_dict()["data"]
+    assert list(out) == ["prompts", "rollout", "train", "val"]
+
+
+def test_ppo_same_prompts_rollouts_and_batches_is_numerics(tmp_path):
+    a = make_run(tmp_path / "a", ppo_from={"prompts": None, "rollout": None})
+    b = make_run(tmp_path / "b", loss_from=2, ppo_from={"prompts": None, "rollout": 3})
+    d = _diagnose(a, b)
+    assert (d.kind, d.step) == ("same batches, numbers differ", 2)  # step 3's rollout is later
+    assert (d.prompts.status, d.rollout.first_step) == ("same", 3)
 
 
 def test_val_batches_differ(tmp_path):
@@ -241,21 +290,44 @@ def test_report_and_cli_show_the_diagnosis_escaped(tmp_path, capsys):
 
 
 def test_job_log_writes_rank_records_and_resumes_in_place(tmp_path):
-    from worker.trainers.common import JobLog
+    from worker.metrics_log import JobLog
 
     engine = SimpleNamespace(data_digest=DataDigest(), fingerprint_steps=[2], fingerprints={})
-    log = JobLog(tmp_path, 0, engine)
+    log = JobLog(tmp_path, 0, {"": engine})
     for step in (1, 2, 3):
         engine.fingerprints[step] = {"params": {"w": "p"}, "grads": {"w": None}}
         log.log(step, {"train/loss": 1.0 / step}, {"epoch": 0})
     log.finish(3)
     assert sorted(read_fingerprints(tmp_path / "fingerprints.jsonl")) == [1, 2, 3]
     assert read_metrics(tmp_path / "ranks" / "rank0.jsonl").attrs["complete"] is True
-    resumed = JobLog(tmp_path, 0, engine, append=True)
+    resumed = JobLog(tmp_path, 0, {"": engine}, append=True)
     resumed.resume_at(2)
     resumed.close()
     assert sorted(read_rank_data(tmp_path)[0]) == [1]
     assert (tmp_path / "metrics.jsonl").read_text().count('"step"') == 1
+
+
+def test_ppo_job_log_merges_its_engines(tmp_path):
+    """PPO: actor and critic share one digest (taken once a step) and their fingerprints are
+    written as one record, each tensor under its engine's prefix."""
+    from worker.metrics_log import JobLog
+
+    digest = DataDigest()
+    actor, critic = (
+        SimpleNamespace(data_digest=digest, fingerprint_steps="all", fingerprints={})
+        for _ in range(2)
+    )
+    log = JobLog(tmp_path, 0, {"actor.": actor, "critic.": critic})
+    digest.add_prompts([[1, 2, 3], [4, 5]])
+    actor.fingerprints[1] = {"params": {"w": "a"}, "grads": {"w": "b"}}
+    critic.fingerprints[1] = {"params": {"w": "c", "v": "d"}, "grads": {"w": None, "v": "e"}}
+    log.log(1, {"actor/lr": 0.1})
+    log.finish(1)
+    record = read_fingerprints(tmp_path / "fingerprints.jsonl")[1]
+    assert record["params"] == {"actor.w": "a", "critic.w": "c", "critic.v": "d"}
+    assert record["grads"] == {"actor.w": "b", "critic.w": None, "critic.v": "e"}
+    data = read_rank_data(tmp_path)[0][1]
+    assert data == {"prompts": {"hash": data["prompts"]["hash"], "prompts": 2, "tokens": 5}}
 
 
 def test_digests_and_step_lists():
@@ -335,3 +407,42 @@ def test_rank_that_disagrees_is_named(parity_runner):
     agreement = rank_agreement(run.dir)
     (d,) = agreement.disagreements
     assert (d.rank, d.metric, d.step) == (1, "train/lr", 1), agreement.to_dict()
+
+
+# --- multi-rank PPO: prompts -> rollout -> update batches ----------------------------------------
+
+
+@pytest.mark.parity
+def test_ppo_pairs_are_diagnosed_stage_by_stage(parity_runner):
+    """The PPO pairs of test_ppo_parity.py (shared launches), diagnosed: the clean pair's
+    prompts, rollouts and update batches are the same at every step on every rank; a critic that
+    never steps is numerics; a shuffle seeded from the clock is the prompts (the data order)."""
+    _, d = _pair(parity_runner, PPO)
+    assert d.kind == "aligned" and d.lines() == []
+    for stage in (d.prompts, d.rollout, d.train):
+        assert (stage.status, stage.steps_compared) == ("same", PPO.steps), stage
+    assert {side: r.status for side, r in d.ranks.items()} == {"a": "agree", "b": "agree"}
+    _, d = _pair(parity_runner, PPO, "critic-never-stepped")
+    assert (d.kind, d.step, d.metric) == ("same batches, numbers differ", 1, "critic/grad_norm")
+    _, d = _pair(parity_runner, PPO, "sampler-seed-from-time")
+    assert (d.kind, d.step) == ("batches differ", 1), d.lines()
+    assert d.headline().startswith("prompts differ from step 1 (ranks 0, 1): data order"), d.lines()
+
+
+@pytest.mark.parity
+def test_ppo_fingerprints_point_at_the_critic(parity_runner):
+    """Actor and critic tensors are fingerprinted under their own prefix: a critic that never
+    steps shows as critic weights only, from step 2 (step 1's first update saw equal critics)."""
+    spec = dataclasses.replace(
+        PPO, steps=2, overrides={**PPO.overrides, "fingerprint_steps": "all"}
+    )
+    result, d = _pair(parity_runner, spec, "critic-never-stepped")
+    names = list(read_fingerprints(result.a.dir / "fingerprints.jsonl")[1]["params"])
+    critic = [n for n in names if n.startswith("critic.")]
+    assert critic and len(critic) < len(names) and names[0].startswith("actor.")
+    f = d.fingerprints
+    assert f.root == ("weights", 2, critic), f.line()
+    assert (
+        f"weights first differ at step 2 in {len(critic)} of {len(names)} tensors under critic"
+        in (f.line())
+    )

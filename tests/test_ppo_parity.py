@@ -9,11 +9,10 @@ import dataclasses
 import json
 
 import pytest
-from specs import legacy_vs_worker
+from specs import PPO, legacy_vs_worker
 
 from parity import assert_parity
 from parity.launch import LaunchError
-from parity.spec import JobSpec
 
 pytestmark = pytest.mark.parity
 
@@ -32,17 +31,7 @@ METRICS = [
     "reward/mean",
     "response_length/mean",
 ]
-# 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO step; at 2 ranks
-# each mini-batch is 2 sequences per rank in micro-batches of 1. 4 steps: every mutant below is
-# caught by step 2, and reward/mean already varies (0, .375, .25, 0 from the SFT-warmed actor).
-BASE = JobSpec(
-    task="charcount-ppo",
-    world_size=2,
-    steps=4,
-    global_batch_size=8,
-    micro_batch_size=1,
-    overrides={"ppo_mini_batch_size": 4},
-)
+BASE = PPO  # 2 ranks, 4 steps, 4 optimizer steps each (tests/specs.py)
 SEQ_MEAN = dataclasses.replace(
     BASE, overrides={"ppo_mini_batch_size": 4, "loss_agg_mode": "seq-mean-token-mean"}
 )

@@ -80,6 +80,7 @@ class Engine:
         # diagnosis (worker.fingerprint), off unless a job turns it on: a digest of the batches
         # each forward runs, and parameter/gradient hashes at the steps a job names
         self.data_digest: DataDigest | None = None
+        self.digest_kinds = ("train", "val")  # of a forward with and without grad (PPO: rollout)
         self.fingerprint_steps: list[int] | str = []  # or "all"
         self.current_step: int | None = None  # set by the job before each training step
         self.fingerprints: dict[int, dict] = {}  # step -> model_fingerprint, until the job takes it
@@ -87,7 +88,7 @@ class Engine:
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits of one micro-batch."""
         if self.data_digest is not None:
-            self.data_digest.add("train" if torch.is_grad_enabled() else "val", mb)
+            self.data_digest.add(self.digest_kinds[not torch.is_grad_enabled()], mb)
         return self.module(**mb.model_inputs(self.dist.device)).logits
 
     def zero_grad(self) -> None:

@@ -87,14 +87,13 @@ def job_arg_parser(prog: str, description: str, config_cls: type) -> argparse.Ar
     p.add_argument("--tokenizer", type=Path, default=None, help="default: the model's, else ours")
     p.add_argument("--data", type=Path, default=d["data"])
     p.add_argument("--attn", default=d["attn"])
-    if "fingerprint_steps" in d:  # jobs whose engine records them (SFT); others reject the flag
-        p.add_argument(
-            "--fingerprint-steps",
-            type=_fingerprint_steps,
-            default=[],
-            metavar="STEPS",
-            help="hash every parameter and gradient at these steps: 1,5,10 or all",
-        )
+    p.add_argument(
+        "--fingerprint-steps",
+        type=_fingerprint_steps,
+        default=[],
+        metavar="STEPS",
+        help="hash every parameter and gradient at these steps: 1,5,10 or all",
+    )
     return p
 
 

@@ -1,8 +1,9 @@
 """Hashes that let the harness say *where* two runs part: which batches, which tensors.
 
-The engine feeds every micro-batch it runs through a `DataDigest` (training and evaluation
-apart) and, at chosen steps, hashes every full parameter and gradient. The job writes them next
-to metrics.jsonl (ranks/rank{r}.jsonl, fingerprints.jsonl); `parity.diagnose` reads the files.
+The engine feeds every micro-batch it runs through a `DataDigest` (training apart from
+evaluation, or, in PPO, from the rollout's scoring forwards; PPO also digests each step's prompts)
+and, at chosen steps, hashes every full parameter and gradient. The job writes them next to
+metrics.jsonl (ranks/rank{r}.jsonl, fingerprints.jsonl); `parity.diagnose` reads the files.
 Hashes are short blake2b hex digests of the raw bytes, so they are equal exactly when the bits are.
 """
 
@@ -39,35 +40,42 @@ def tensor_hash(t: torch.Tensor | None) -> str | None:
 
 
 class DataDigest:
-    """What one rank trained on (or evaluated) since the last take(): a running hash of the
-    token ids, labels, positions and loss masks of each micro-batch, plus counts to quote."""
+    """What one rank ran since the last take(), per kind: a running hash of the token ids,
+    labels, positions and loss masks of each micro-batch (or of each prompt), plus counts to
+    quote. Kinds: "train" and "val" (SFT); "prompts", "rollout" and "train" (PPO)."""
 
     def __init__(self) -> None:
         self._h: dict[str, object] = {}
-        self._counts: dict[str, list[int]] = {}
+        self._counts: dict[str, dict[str, int]] = {}
 
-    def add(self, kind: str, mb) -> None:
-        """Fold one micro-batch into the digest of `kind` ("train" or "val")."""
+    def _start(self, kind: str, counts: tuple[str, ...]):
         h = self._h.get(kind)
         if h is None:
             h = self._h[kind] = hashlib.blake2b(digest_size=DIGEST_SIZE)
-            self._counts[kind] = [0, 0, 0]
+            self._counts[kind] = dict.fromkeys(counts, 0)
+        return h, self._counts[kind]
+
+    def add(self, kind: str, mb) -> None:
+        """Fold one micro-batch into the digest of `kind`."""
+        h, counts = self._start(kind, ("micro_batches", "tokens", "loss_tokens"))
         for t in (mb.input_ids, mb.labels, mb.position_ids, mb.loss_mask, mb.attention_mask):
             _update(h, t)
-        counts = self._counts[kind]
-        counts[0] += 1
-        counts[1] += int(mb.num_tokens)
-        counts[2] += int(mb.loss_mask.sum())
+        counts["micro_batches"] += 1
+        counts["tokens"] += int(mb.num_tokens)
+        counts["loss_tokens"] += int(mb.loss_mask.sum())
+
+    def add_prompts(self, prompts: list[list[int]], kind: str = "prompts") -> None:
+        """Fold this step's prompts (token ids, in order) into the digest of `kind`."""
+        h, counts = self._start(kind, ("prompts", "tokens"))
+        for ids in prompts:
+            _update(h, torch.tensor(ids, dtype=torch.int64))
+        counts["prompts"] += len(prompts)
+        counts["tokens"] += sum(len(ids) for ids in prompts)
 
     def take(self) -> dict:
-        """{kind: {"hash", "micro_batches", "tokens", "loss_tokens"}} so far, then reset."""
+        """{kind: {"hash", and the counts}} so far, then reset."""
         out = {
-            kind: {
-                "hash": h.hexdigest(),  # type: ignore[attr-defined]
-                "micro_batches": self._counts[kind][0],
-                "tokens": self._counts[kind][1],
-                "loss_tokens": self._counts[kind][2],
-            }
+            kind: {"hash": h.hexdigest(), **self._counts[kind]}  # type: ignore[attr-defined]
             for kind, h in sorted(self._h.items())
         }
         self._h, self._counts = {}, {}

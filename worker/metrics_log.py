@@ -1,4 +1,5 @@
-"""What a job writes on rank 0: exact JSONL metrics, verl-style console lines, and a manifest.
+"""What a job writes: exact JSONL metrics, verl-style console lines and a manifest (rank 0), and
+every rank's own record for `parity.diagnose` (JobLog).
 
 Floats go through Python's json (shortest repr, round-trips bit for bit; NaN/Infinity spelled as
 Python writes them). The last JSONL line is `{"event": "end", "steps": N}` only when the run
@@ -14,7 +15,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from worker.engine import Engine
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -84,6 +90,76 @@ class MetricsLog:
     def close(self) -> None:
         for f in (self._jsonl, self._console):
             if f is not None and not f.closed:
+                f.close()
+
+
+class JobLog(MetricsLog):
+    """metrics.jsonl as before (rank 0, unchanged), plus what `parity.diagnose` reads.
+
+    Every rank writes ranks/rank{r}.jsonl: its own post-reduction metrics (which must equal rank
+    0's bit for bit) and, in `_meta.data`, the digest of what it ran that step (the engines share
+    one `DataDigest`). Rank 0 writes fingerprints.jsonl at the --fingerprint-steps: every
+    engine's tensors under its prefix ("" for SFT's one model; "actor." and "critic." in PPO).
+    Both end with an end record like metrics.jsonl, so a killed run's files read as incomplete.
+    """
+
+    def __init__(
+        self, out_dir: Path, rank: int, engines: Mapping[str, Engine], append: bool = False
+    ):
+        super().__init__(out_dir, enabled=rank == 0, append=append)
+        self.engines = dict(engines)
+        digests = {id(e.data_digest): e.data_digest for e in self.engines.values()}
+        self.digests = [d for d in digests.values() if d is not None]
+        mode = "a" if append else "w"
+        (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        self._paths = [out_dir / "ranks" / f"rank{rank}.jsonl"]
+        if rank == 0 and any(e.fingerprint_steps for e in self.engines.values()):
+            self._paths.append(out_dir / "fingerprints.jsonl")
+        self._files: list[TextIO] = [open(p, mode, encoding="utf-8") for p in self._paths]
+
+    def log(self, step: int, metrics: dict[str, float], meta: dict | None = None) -> None:
+        super().log(step, metrics, meta)
+        data = {k: v for digest in self.digests for k, v in digest.take().items()}
+        extra: dict[str, Any] = {"data": data}
+        if meta and "epoch" in meta:
+            extra["epoch"] = meta["epoch"]
+        self._write(0, {"step": step, **metrics, "_meta": extra})
+        fingerprint: dict[str, dict] = {}
+        for prefix, engine in self.engines.items():
+            taken = engine.fingerprints.pop(step, None)
+            for key, hashes in (taken or {}).items():
+                fingerprint.setdefault(key, {}).update({prefix + n: h for n, h in hashes.items()})
+        if fingerprint and len(self._files) > 1:
+            self._write(1, {"step": step, **fingerprint})
+
+    def _write(self, i: int, record: dict) -> None:
+        self._files[i].write(json.dumps(record) + "\n")
+        self._files[i].flush()
+
+    def resume_at(self, step: int) -> None:
+        """Drop records from `step` on, as metrics.jsonl does, so a resumed run reads as one."""
+        super().resume_at(step)
+        for f in self._files:
+            f.close()
+        for path in self._paths:
+            kept = [x for x in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if (s := _jsonl_step(x)) is not None and s < step]  # fmt: skip
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.writelines(kept)
+            os.replace(tmp, path)
+        self._files = [open(p, "a", encoding="utf-8") for p in self._paths]
+
+    def finish(self, steps: int) -> None:
+        for i in range(len(self._files)):
+            self._write(i, {"event": "end", "steps": steps})
+        super().finish(steps)  # rank 0's end record last: metrics.jsonl says the run is done
+        self.close()
+
+    def close(self) -> None:
+        super().close()
+        for f in self._files:
+            if not f.closed:
                 f.close()
 
 

@@ -17,7 +17,8 @@ from worker.determinism import set_determinism
 from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import config_from_args, job_arg_parser
-from worker.metrics_log import MetricsLog, write_manifest
+from worker.fingerprint import DataDigest
+from worker.metrics_log import JobLog, write_manifest
 from worker.model import load_model, load_value_model
 from worker.warm_start import WARM_MODEL_DIR
 
@@ -55,6 +56,7 @@ class PPOConfig:
     data: Path = DATA_DIR
     attn: str = "sdpa"
     val_loss: str = "fixed"  # accepted for the harness's common flags; PPO has no val loss
+    fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
 
     @property
     def mini_batch_size(self) -> int:
@@ -126,7 +128,7 @@ class PPOJob:
     actor: Engine
     critic: Engine
     ref: Engine  # a frozen copy of the initial actor; its optimizer never steps
-    log: MetricsLog
+    log: JobLog
 
     @classmethod
     def build(cls, cfg: PPOConfig) -> PPOJob:
@@ -150,7 +152,13 @@ class PPOJob:
         critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed)
         critic = Engine(critic_model, cfg.engine, cfg.optim(cfg.critic_lr), d)
         ref = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(0.0), d)
-        log = MetricsLog(cfg.out, enabled=d.rank == 0)
+        # what parity.diagnose reads: each step's prompts, the rollout's scoring forwards and the
+        # update micro-batches of every rank; actor and critic fingerprints at the chosen steps
+        digest = DataDigest()
+        for engine in (actor, critic, ref):
+            engine.data_digest, engine.digest_kinds = digest, ("train", "rollout")
+        actor.fingerprint_steps = critic.fingerprint_steps = cfg.fingerprint_steps
+        log = JobLog(cfg.out, d.rank, {"actor.": actor, "critic.": critic})
         job = cls(cfg, d, tokenizer, prompts, actor, critic, ref, log)
         if d.rank == 0:
             job.write_manifest(determinism)
@@ -171,6 +179,7 @@ class PPOJob:
             len(self.prompts), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps
         )
         for step, epoch, chosen in order:
+            self.actor.current_step = self.critic.current_step = step  # for the fingerprints
             yield step, epoch, [self.prompts[i] for i in chosen]
 
 
@@ -210,6 +219,8 @@ def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
                                      tokenize=True, return_dict=False))
         for p in prompts
     ]  # fmt: skip
+    if job.actor.data_digest is not None:
+        job.actor.data_digest.add_prompts(ids)
     width = max(len(x) for x in ids)
     pad = tok.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=d.device)

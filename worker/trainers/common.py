@@ -6,12 +6,8 @@ and metric code in legacy_sft.py and sft.py.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
 
 from worker.data.batching import BatchingConfig, step_order
 from worker.data.charcount import (
@@ -27,7 +23,7 @@ from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import config_from_args, job_arg_parser
 from worker.fingerprint import DataDigest
-from worker.metrics_log import MetricsLog, write_manifest
+from worker.metrics_log import JobLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
 
 
@@ -146,7 +142,7 @@ class SFTJob:
         engine = Engine(model, cfg.engine, cfg.optim(), d)
         engine.data_digest = DataDigest()
         engine.fingerprint_steps = cfg.fingerprint_steps
-        log = JobLog(cfg.out, d.rank, engine, append=cfg.resume is not None)
+        log = JobLog(cfg.out, d.rank, {"": engine}, append=cfg.resume is not None)
         job = cls(cfg, d, engine, train, val, log)
         if d.rank == 0:
             job.write_manifest(determinism)
@@ -182,70 +178,3 @@ class SFTJob:
             # safetensors refuses to write
             save_file({k: v.detach().clone().contiguous() for k, v in state.items()}, str(tmp))
             tmp.replace(self.cfg.out / "final.safetensors")
-
-
-class JobLog(MetricsLog):
-    """metrics.jsonl as before (rank 0, unchanged), plus what `parity.diagnose` reads.
-
-    Every rank writes ranks/rank{r}.jsonl: its own post-reduction metrics (which must equal rank
-    0's bit for bit) and, in `_meta.data`, a digest of the micro-batches it trained on and
-    evaluated that step. Rank 0 writes fingerprints.jsonl at the --fingerprint-steps. Both end
-    with an end record like metrics.jsonl, so a killed run's files read as incomplete.
-    """
-
-    def __init__(self, out_dir: Path, rank: int, engine: Engine, append: bool = False):
-        super().__init__(out_dir, enabled=rank == 0, append=append)
-        self.engine = engine
-        mode = "a" if append else "w"
-        (out_dir / "ranks").mkdir(parents=True, exist_ok=True)
-        self._paths = [out_dir / "ranks" / f"rank{rank}.jsonl"]
-        if rank == 0 and engine.fingerprint_steps:
-            self._paths.append(out_dir / "fingerprints.jsonl")
-        self._files: list[TextIO] = [open(p, mode, encoding="utf-8") for p in self._paths]
-
-    def log(self, step: int, metrics: dict[str, float], meta: dict | None = None) -> None:
-        super().log(step, metrics, meta)
-        data = self.engine.data_digest.take() if self.engine.data_digest is not None else {}
-        extra: dict[str, Any] = {"data": data}
-        if meta and "epoch" in meta:
-            extra["epoch"] = meta["epoch"]
-        self._write(0, {"step": step, **metrics, "_meta": extra})
-        fingerprint = self.engine.fingerprints.pop(step, None)
-        if fingerprint is not None and len(self._files) > 1:
-            self._write(1, {"step": step, **fingerprint})
-
-    def _write(self, i: int, record: dict) -> None:
-        self._files[i].write(json.dumps(record) + "\n")
-        self._files[i].flush()
-
-    def resume_at(self, step: int) -> None:
-        """Drop records from `step` on, as metrics.jsonl does, so a resumed run reads as one."""
-        super().resume_at(step)
-        for f in self._files:
-            f.close()
-        for path in self._paths:
-            kept = []
-            for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-                try:
-                    s = json.loads(line).get("step")
-                except ValueError:
-                    continue  # a truncated last line of a killed run
-                if s is not None and s < step:
-                    kept.append(line)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.writelines(kept)
-            os.replace(tmp, path)
-        self._files = [open(p, "a", encoding="utf-8") for p in self._paths]
-
-    def finish(self, steps: int) -> None:
-        for i in range(len(self._files)):
-            self._write(i, {"event": "end", "steps": steps})
-        super().finish(steps)  # rank 0's end record last: metrics.jsonl says the run is done
-        self.close()
-
-    def close(self) -> None:
-        super().close()
-        for f in self._files:
-            if not f.closed:
-                f.close()
