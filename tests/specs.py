@@ -1,5 +1,7 @@
 """Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
 
+from pathlib import Path
+
 from parity.spec import JobSpec, PairSpec
 
 # 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
@@ -20,8 +22,13 @@ def plain(world_size: int = 2, **changes) -> JobSpec:
     return JobSpec(world_size=world_size, steps=20, **changes)
 
 
-# global batch 32: 12 steps per epoch, so 14 steps cross into the second epoch
-EPOCHS = JobSpec(world_size=2, steps=14, global_batch_size=32, micro_batch_size=8)
+# fixtures/charcount-small: the first 64 train and 8 val samples of fixtures/charcount. With a
+# global batch of 32 an epoch is 2 steps, so 3 steps cross into the second epoch (a fifth of the
+# training the full set needs to get there)
+SMALL_DATA = str(Path(__file__).resolve().parents[1] / "fixtures" / "charcount-small")
+EPOCHS = JobSpec(
+    world_size=2, steps=3, global_batch_size=32, micro_batch_size=8, overrides={"data": SMALL_DATA}
+)
 # 46 val samples: 23 per rank, so the last val micro-batch of 4 is incomplete
 VAL46 = JobSpec(world_size=2, steps=2, overrides={"val_samples": 46})
 SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}

@@ -47,6 +47,14 @@ def test_fixtures_regenerate_bit_for_bit(tmp_path):
         assert filecmp.cmp(tmp_path / rel, FIXTURES / rel, shallow=False), rel
 
 
+def test_small_fixture_is_the_head_of_the_full_one():
+    """fixtures/charcount-small (the epoch-crossing parity tests): the first 64 train and 8 val
+    lines of fixtures/charcount, unchanged."""
+    for name, n in (("train.jsonl", 64), ("val.jsonl", 8)):
+        full = (DATA_DIR / name).read_text().splitlines(keepends=True)
+        assert (FIXTURES / "charcount-small" / name).read_text() == "".join(full[:n]), name
+
+
 def test_tokenizer_is_character_level_and_masks_the_prompt():
     tok = load_tokenizer()
     sample = read_jsonl(DATA_DIR / "train.jsonl")[0]

@@ -26,7 +26,7 @@ CHECKS = {
     "grad-norm-after-clip": ("pair", FIXED, "train/grad_norm", 1),
     "loss-summed-over-ranks": ("pair", plain(), "train/loss", 1),
     "missing-dp-factor": ("pair", plain(), "train/loss", 1),
-    "sampler-without-set-epoch": ("pair", EPOCHS, "train/global_tokens", 13),
+    "sampler-without-set-epoch": ("pair", EPOCHS, "train/global_tokens", 3),
     "val-drop-last": ("pair", VAL46, "val/loss", 2),
     "seq-mean-dp-scaling": ("invariance", plain(overrides=SEQ_MEAN), "train/loss", 1),
     "resume-without-optimizer": ("resume", plain(), "train/loss", 12),

@@ -138,6 +138,7 @@ def test_reward_missing_engine_fails_early_with_one_line(parity_runner, parity_m
     assert line in str(info.value)
     result = info.value.result
     assert result.duration_s < 60  # before any model is built or step is run
-    for rank in (0, 1):
-        tail = result.tail(rank)
-        assert line in tail and "Traceback" not in tail, tail
+    tails = [result.tail(rank) for rank in (0, 1)]
+    assert any(line in tail for tail in tails), tails
+    # a rank may be stopped by torchrun (the first to fail ends the job) before it writes
+    assert all(line in tail or not tail for tail in tails) and "Traceback" not in "".join(tails)
