@@ -18,6 +18,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -256,12 +257,15 @@ def _suite_child(pytest_args: list[str]) -> None:
     Memory: the peak over the run of the whole process tree's summed PSS and RSS, sampled every
     half second (pools, torchrun agents and ranks included), and the largest single process's
     peak RSS and the CPU time of the tree (RUSAGE_CHILDREN: this process runs the suite and
-    nothing else; ranks count once their torchrun has reaped them).
+    nothing else; ranks count once their torchrun has reaped them). Training: the seconds every
+    job's training loop took (its timing.json; the run folders are kept in a temp folder).
     """
     import threading
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+    runs = Path(tempfile.mkdtemp(prefix="parity-suite-runs-"))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--parity-keep-runs", str(runs), *pytest_args]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     peak = [0, 0]
@@ -281,10 +285,12 @@ def _suite_child(pytest_args: list[str]) -> None:
     lines = out.strip().splitlines() or [""]
     tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
     failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
+    trained = [json.loads(t.read_text())["train_seconds"] for t in runs.rglob("timing.json")]
+    shutil.rmtree(runs, ignore_errors=True)
     report = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
               "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
               "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail,
-              "failed": failed}  # fmt: skip
+              "failed": failed, "train_s": sum(trained), "jobs": len(trained)}  # fmt: skip
     print(json.dumps(report))
 
 
@@ -309,6 +315,9 @@ def bench_suite(pytest_args: list[str]) -> None:
     print(f"          CPU time of the tree {r['cpu_s']:.0f} s: {r['cpu_s'] / r['wall_s']:.2f} of "
           f"{cores} cores busy on average; even perfectly packed the suite needs "
           f"{r['cpu_s'] / cores:.0f} s here")  # fmt: skip
+    print(f"          training inside it: {r['train_s']:.0f} s in {r['jobs']} jobs "
+          f"({r['train_s'] / r['wall_s']:.0%} of the wall); the rest is starting ranks, "
+          f"launch and failure tests, reading and comparing")  # fmt: skip
     for line in r["failed"]:
         print(f"          {line}")
 
