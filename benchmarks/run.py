@@ -285,7 +285,8 @@ def _suite_child(pytest_args: list[str]) -> None:
     lines = out.strip().splitlines() or [""]
     tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
     failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
-    trained = [json.loads(t.read_text())["train_seconds"] for t in runs.rglob("timing.json")]
+    timings = [json.loads(t.read_text()) for t in runs.rglob("timing.json")]
+    trained = [t["train_seconds"] for t in timings if "train_seconds" in t]  # jobs, not launches
     shutil.rmtree(runs, ignore_errors=True)
     report = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
               "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
