@@ -265,7 +265,7 @@ def _suite_child(pytest_args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = Path(tempfile.mkdtemp(prefix="parity-suite-runs-"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "--parity-keep-runs", str(runs), *pytest_args]  # fmt: skip
+           f"--parity-keep-runs={runs}", *pytest_args]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     peak = [0, 0]

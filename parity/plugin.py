@@ -8,7 +8,7 @@
 
 Runs are cached for the session by spec, so tests that need the same job share one launch, and
 jobs run in warm pools (parity.pool: one torchrun launch per world size, kept up for the session,
-the same bits as a launch of their own) unless `--parity-no-pool`. `--parity-keep-runs DIR` keeps
+the same bits as a launch of their own) unless `--parity-no-pool`. `--parity-keep-runs=DIR` keeps
 every run folder there for inspection.
 """
 
@@ -31,7 +31,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--parity-keep-runs",
         metavar="DIR",
         default=None,
-        help="keep the run folders of parity tests under DIR",
+        help="keep the run folders of parity tests under DIR (write --parity-keep-runs=DIR)",
     )
     group.addoption(
         "--parity-no-pool",
@@ -55,6 +55,36 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "parity: multi-rank parity test (launches torchrun jobs; slow)"
     )
+    _refuse_hijacked_rootdir(config)
+
+
+def _refuse_hijacked_rootdir(config: pytest.Config) -> None:
+    """`--parity-keep-runs DIR` (a space, DIR existing) can hide the project's ini file: pytest
+    looks for it from path arguments before plugins add their options (pytest#8846), so DIR
+    outside the project leaves the run without its ini (testpaths, the golden folder under the
+    rootdir). Refused in one line when the folder pytest started in has an ini it did not use."""
+    args = [str(a) for a in config.invocation_params.args]
+    here = config.invocation_params.dir
+    for option in ("--parity-keep-runs", "--parity-golden-dir"):
+        value = config.getoption(option)
+        if value is None or option not in args or config.inipath is not None:
+            continue
+        if Path(value).exists() and _has_pytest_ini(here):
+            raise pytest.UsageError(
+                f"{option} {value}: pytest took this folder for a test path and did not read the "
+                f"ini file in {here} (pytest#8846); write {option}={value}"
+            )
+
+
+def _has_pytest_ini(folder: Path) -> bool:
+    """Whether `folder` has a file pytest reads its configuration from."""
+    marks = {"pytest.ini": "", ".pytest.ini": "", "pyproject.toml": "[tool.pytest",
+             "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}  # fmt: skip
+    for name, mark in marks.items():
+        path = folder / name
+        if path.is_file() and mark in path.read_text(encoding="utf-8", errors="replace"):
+            return True
+    return False
 
 
 def _frame(x) -> pd.DataFrame:

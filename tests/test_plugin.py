@@ -48,3 +48,16 @@ def test_marker_selects_parity_tests(pytester):
     result = pytester.runpytest("-m", "not parity", "--strict-markers")
     result.assert_outcomes(passed=1, deselected=1)
     assert "--parity-keep-runs" in "".join(pytester.runpytest("--help").outlines)
+
+
+def test_an_option_path_that_would_become_the_rootdir_is_refused(pytester, tmp_path_factory):
+    """pytest#8846: `--parity-keep-runs DIR` with DIR existing outside the project hid the
+    project's ini file (seen: the golden tests then failed); the plugin refuses it in one line."""
+    pytester.makepyfile("def test_fast():\n    pass\n")
+    pytester.makepyprojecttoml("[tool.pytest.ini_options]\naddopts = '-ra'\n")
+    outside = tmp_path_factory.mktemp("kept-runs")
+    result = pytester.runpytest("--parity-keep-runs", str(outside))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--parity-keep-runs*did not read the ini*--parity-keep-runs=*"])
+    pytester.runpytest(f"--parity-keep-runs={outside}").assert_outcomes(passed=1)
+    pytester.runpytest("--parity-keep-runs", "runs").assert_outcomes(passed=1)  # not there yet
