@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from worker.engine import Engine
 
@@ -58,14 +58,8 @@ class MetricsLog:
             return
         self.close()
         out_dir = Path(self._jsonl.name).parent
-        for name, step_of in (("metrics.jsonl", _jsonl_step), ("console.log", _console_step)):
-            path = out_dir / name
-            lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-            kept = [x for x in lines if (s := step_of(x)) is not None and s < step]
-            fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
+        _keep_before(out_dir / "metrics.jsonl", step, _jsonl_step)
+        _keep_before(out_dir / "console.log", step, _console_step)
         self._jsonl = open(out_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._console = open(out_dir / "console.log", "a", encoding="utf-8")
 
@@ -142,12 +136,7 @@ class JobLog(MetricsLog):
         for f in self._files:
             f.close()
         for path in self._paths:
-            kept = [x for x in path.read_text(encoding="utf-8").splitlines(keepends=True)
-                    if (s := _jsonl_step(x)) is not None and s < step]  # fmt: skip
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                out.writelines(kept)
-            os.replace(tmp, path)
+            _keep_before(path, step, _jsonl_step)
         self._files = [open(p, "a", encoding="utf-8") for p in self._paths]
 
     def finish(self, steps: int) -> None:
@@ -183,6 +172,17 @@ def write_manifest(cfg, d, determinism: dict, data_files: dict[str, Path], **ext
         "git_revision": git_revision(Path(__file__).resolve().parents[1]),
     }
     write_json_atomic(cfg.out / "manifest.json", manifest)
+
+
+def _keep_before(path: Path, step: int, step_of: Callable[[str], int | None]) -> None:
+    """Rewrite `path` (temp file, then rename) with only its lines of a step before `step`:
+    later steps, the end record and a truncated last line go."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [x for x in lines if (s := step_of(x)) is not None and s < step]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _jsonl_step(line: str) -> int | None:
