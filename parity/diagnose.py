@@ -472,8 +472,10 @@ class Diagnosis:
                     else "generation or the prompts"
                 )
             elif self._same_until("prompts") and self._same_until("rollout"):
-                why = "the same rollouts cut into other batches (mini-batch shuffle or packing)"
-                why += ", not numerics"
+                why = (
+                    "the same rollouts cut into other batches (mini-batch shuffle or packing), "
+                    "not numerics"
+                )
             else:
                 why = "data order, sampler or packing, not numerics"
             return f"{where}: {why}; {d.detail}"
