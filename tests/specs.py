@@ -11,6 +11,15 @@ FIXED = JobSpec(
     micro_batch_size=4,
     overrides={"val_before_train": True, "save_final": True},
 )
+# the harness's launch modes (separate launches, one in-process launch, a warm pool) are shown
+# bitwise equal on this: every part of a job a mode could disturb (val before, between and after
+# the steps, 2 micro-batches per rank, the final weights) in 4 steps instead of FIXED's 20
+LAUNCH_MODES = JobSpec(
+    world_size=2,
+    steps=4,
+    micro_batch_size=4,
+    overrides={"val_before_train": True, "val_every": 2, "save_final": True},
+)
 DYNAMIC = JobSpec(
     world_size=2, steps=20, dynamic_bsz=True, micro_batch_size=None, max_tokens_per_rank=1200
 )
@@ -36,17 +45,20 @@ SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
 FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "all"})
 
 # charcount PPO: 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO
-# step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 4 steps: every
-# PPO mutant is caught by step 2, and reward/mean already varies (0, .375, .25, 0 from the
-# SFT-warmed actor).
+# step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 10 steps: the
+# PPO parity claim (>= 10 PPO steps); reward/mean varies over them (0, .375, .25, 0, ... from the
+# SFT-warmed actor) and every PPO mutant is caught by step 2.
 PPO = JobSpec(
     task="charcount-ppo",
     world_size=2,
-    steps=4,
+    steps=10,
     global_batch_size=8,
     micro_batch_size=1,
     overrides={"ppo_mini_batch_size": 4},
 )
+# the variants of the claim (loss mode, DDP with padding, dynamic batch size) and the PPO
+# diagnosis of a fingerprinted pair train fewer steps: 4 updates each, past the first reward
+PPO_VARIANT_STEPS = 4
 
 
 def legacy_vs_worker(runner, base: JobSpec, inject_b: list[str] | None = None):

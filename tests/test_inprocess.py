@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from specs import FIXED
+from specs import LAUNCH_MODES
 
 from parity import assert_parity
 from parity.inprocess import SEPARATOR, _Baseline, _parse, _unwrap_inject, command, refusal
@@ -29,15 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parity
 def test_in_process_pair_is_bitwise_two_launches(parity_runner):
-    pair = PairSpec.from_trainers(FIXED, "legacy", "worker")
+    pair = PairSpec.from_trainers(LAUNCH_MODES, "legacy", "worker")
     together = parity_runner.pair_in_process(pair)
     spec_a, spec_b = pair.sides()
     alone = [parity_runner.job(spec_a, separate=True), parity_runner.job(spec_b, separate=True)]
     for run, other in zip((together.a, together.b), alone, strict=True):
         assert run.in_process and not other.in_process
         comparison = assert_parity(run, other)  # every metric exact; mfu (a timing) ignored
-        assert comparison.metrics["train/loss"].steps_compared == 20
-        assert comparison.metrics["val/loss"].status == "match"
+        assert comparison.metrics["train/loss"].steps_compared == LAUNCH_MODES.steps
+        val = comparison.metrics["val/loss"]
+        assert val.status == "match" and val.steps_compared == 3  # before, between, after
         wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (run, other))
         assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
         for name in ("metrics.jsonl", "console.log", "manifest.json", "timing.json"):
@@ -50,10 +51,10 @@ def test_in_process_pair_is_bitwise_two_launches(parity_runner):
 @pytest.mark.parity
 def test_each_side_gets_its_own_mutants(parity_runner):
     """lr-before-step on side B only: B matches the mutant job run on its own, and side A (run
-    first, in the same processes) a clean launch. B's peer may be a warm pool's job (shared with
-    test_mutants.py), which test_pool.py shows to be bitwise a launch of its own."""
+    first, in the same processes) a clean launch. B's peer may be a warm pool's job, which
+    test_pool.py shows to be bitwise a launch of its own."""
     broken = {"trainer": "worker", "inject": ["lr-before-step"]}
-    pair = PairSpec(FIXED, {"trainer": "legacy"}, broken)
+    pair = PairSpec(LAUNCH_MODES, {"trainer": "legacy"}, broken)
     together = parity_runner.pair_in_process(pair)
     spec_a, spec_b = pair.sides()
     legacy = parity_runner.job(spec_a, separate=True)

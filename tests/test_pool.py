@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from specs import FIXED
+from specs import LAUNCH_MODES
 
 from parity import assert_parity
 from parity.compare import compare_frames
@@ -36,18 +36,18 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parity
 def test_pool_jobs_are_bitwise_separate_launches(parity_runner, tmp_path):
     pools = Pools(tmp_path / "pools")
-    broken_spec = dataclasses.replace(FIXED, inject=["sampler-seed-from-time"])
-    bad_spec = dataclasses.replace(FIXED, overrides={"val_samples": -1})
+    broken_spec = dataclasses.replace(LAUNCH_MODES, inject=["sampler-seed-from-time"])
+    bad_spec = dataclasses.replace(LAUNCH_MODES, overrides={"val_samples": -1})
     try:
         failed = pools.run(bad_spec, tmp_path / "failed")
         broken = pools.run(broken_spec, tmp_path / "broken")
-        clean = pools.run(FIXED, tmp_path / "clean")
-        legacy = pools.run(dataclasses.replace(FIXED, trainer="legacy"), tmp_path / "legacy")
+        clean = pools.run(LAUNCH_MODES, tmp_path / "clean")
+        legacy = pools.run(dataclasses.replace(LAUNCH_MODES, trainer="legacy"), tmp_path / "legacy")
     finally:
         pools.close()
     assert failed is None  # its pool went down with it; launched alone it says why
     assert sorted(p.name for p in (tmp_path / "pools").iterdir()) == ["pool00-w2", "pool01-w2"]
-    alone = parity_runner.job(FIXED, separate=True)
+    alone = parity_runner.job(LAUNCH_MODES, separate=True)
     assert clean.in_process and not alone.in_process
     assert_parity(clean, alone)
     wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (clean, alone))
