@@ -1,5 +1,6 @@
 """Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
 
+import dataclasses
 from pathlib import Path
 
 from parity.spec import JobSpec, PairSpec
@@ -46,8 +47,7 @@ FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "
 
 # charcount PPO: 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO
 # step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 10 steps: the
-# PPO parity claim (>= 10 PPO steps); reward/mean varies over them (0, .375, .25, 0, ... from the
-# SFT-warmed actor) and every PPO mutant is caught by step 2.
+# PPO parity claim (>= 10 PPO steps, tests/test_ppo_parity.py).
 PPO = JobSpec(
     task="charcount-ppo",
     world_size=2,
@@ -56,9 +56,10 @@ PPO = JobSpec(
     micro_batch_size=1,
     overrides={"ppo_mini_batch_size": 4},
 )
-# the variants of the claim (loss mode, DDP with padding, dynamic batch size) and the PPO
-# diagnosis of a fingerprinted pair train fewer steps: 4 updates each, past the first reward
-PPO_VARIANT_STEPS = 4
+# the same in 4 steps, for the mutant checks, the claim's variants, the launch-mode check and the
+# diagnosis: every PPO mutant is caught by step 2, and reward/mean already varies (0, .375, .25,
+# 0 from the SFT-warmed actor)
+PPO_SHORT = dataclasses.replace(PPO, steps=4)
 
 
 def legacy_vs_worker(runner, base: JobSpec, inject_b: list[str] | None = None):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from specs import EPOCHS, FINGERPRINTED, FIXED, PPO, legacy_vs_worker, plain
+from specs import EPOCHS, FINGERPRINTED, FIXED, PPO_SHORT, legacy_vs_worker, plain
 
 from parity.cli import main
 from parity.compare import compare_frames
@@ -417,14 +417,14 @@ def test_ppo_pairs_are_diagnosed_stage_by_stage(parity_runner):
     """The PPO pairs of test_ppo_parity.py (shared launches), diagnosed: the clean pair's
     prompts, rollouts and update batches are the same at every step on every rank; a critic that
     never steps is numerics; a shuffle seeded from the clock is the prompts (the data order)."""
-    _, d = _pair(parity_runner, PPO)
+    _, d = _pair(parity_runner, PPO_SHORT)
     assert d.kind == "aligned" and d.lines() == []
     for stage in (d.prompts, d.rollout, d.train):
-        assert (stage.status, stage.steps_compared) == ("same", PPO.steps), stage
+        assert (stage.status, stage.steps_compared) == ("same", PPO_SHORT.steps), stage
     assert {side: r.status for side, r in d.ranks.items()} == {"a": "agree", "b": "agree"}
-    _, d = _pair(parity_runner, PPO, "critic-never-stepped")
+    _, d = _pair(parity_runner, PPO_SHORT, "critic-never-stepped")
     assert (d.kind, d.step, d.metric) == ("same batches, numbers differ", 1, "critic/grad_norm")
-    _, d = _pair(parity_runner, PPO, "sampler-seed-from-time")
+    _, d = _pair(parity_runner, PPO_SHORT, "sampler-seed-from-time")
     assert (d.kind, d.step) == ("batches differ", 1), d.lines()
     assert d.headline().startswith("prompts differ from step 1 (ranks 0, 1): data order"), d.lines()
 
@@ -434,7 +434,7 @@ def test_ppo_fingerprints_point_at_the_critic(parity_runner):
     """Actor and critic tensors are fingerprinted under their own prefix: a critic that never
     steps shows as critic weights only, from step 2 (step 1's first update saw equal critics)."""
     spec = dataclasses.replace(
-        PPO, steps=2, overrides={**PPO.overrides, "fingerprint_steps": "all"}
+        PPO_SHORT, steps=2, overrides={**PPO_SHORT.overrides, "fingerprint_steps": "all"}
     )
     result, d = _pair(parity_runner, spec, "critic-never-stepped")
     names = list(read_fingerprints(result.a.dir / "fingerprints.jsonl")[1]["params"])

@@ -9,7 +9,7 @@ import dataclasses
 import json
 
 import pytest
-from specs import PPO, PPO_VARIANT_STEPS, legacy_vs_worker
+from specs import PPO, PPO_SHORT, legacy_vs_worker
 
 from parity import assert_parity
 from parity.launch import LaunchError
@@ -32,22 +32,20 @@ METRICS = [
     "response_length/mean",
 ]
 BASE = PPO  # 2 ranks, 10 steps, 4 optimizer steps each (tests/specs.py)
+SHORT = PPO_SHORT  # the same in 4 steps: the variants, the mutants, the launch-mode check
 SEQ_MEAN = dataclasses.replace(
-    BASE,
-    steps=PPO_VARIANT_STEPS,
+    SHORT,
     overrides={"ppo_mini_batch_size": 4, "loss_agg_mode": "seq-mean-token-mean"},
 )
 # DDP engines and padded batches (generation then runs on the unwrapped replica)
 DDP_PADDED = dataclasses.replace(
-    BASE,
-    steps=PPO_VARIANT_STEPS,
+    SHORT,
     engine="ddp",
     overrides={"ppo_mini_batch_size": 4, "padded": True},
 )
 # dynamic batch size: micro-batches packed up to a token budget, every rank the same count
 DYNAMIC = dataclasses.replace(
-    BASE,
-    steps=PPO_VARIANT_STEPS,
+    SHORT,
     micro_batch_size=None,
     dynamic_bsz=True,
     max_tokens_per_rank=160,
@@ -83,8 +81,9 @@ def test_legacy_and_engine_ppo_are_bitwise_equal(parity_runner, base):
 
 
 def test_in_process_ppo_pair_is_bitwise_two_launches(parity_runner):
-    """The clean pairs above share one launch; a PPO side launched alone gives the same bits."""
-    pair = legacy_vs_worker(parity_runner, BASE)
+    """Clean pairs share processes (a warm pool, or one in-process launch); a PPO side launched
+    alone gives the same bits (on the 4-step pair that test_diagnose.py diagnoses too)."""
+    pair = legacy_vs_worker(parity_runner, SHORT)
     alone = parity_runner.job(pair.b.spec, separate=True)
     assert pair.b.in_process and not alone.in_process
     comparison = assert_parity(pair.b, alone)
@@ -114,7 +113,7 @@ def test_seq_mean_dp_scaling_is_invisible_at_one_rank(parity_runner):
 
 
 def test_critic_never_stepped_is_caught(parity_runner, parity_mutant_score):
-    comparison = legacy_vs_worker(parity_runner, BASE, ["critic-never-stepped"]).comparison
+    comparison = legacy_vs_worker(parity_runner, SHORT, ["critic-never-stepped"]).comparison
     parity_mutant_score("critic-never-stepped", comparison.verdict == "diverged")
     assert comparison.verdict == "diverged"
     first = _first_divergences(comparison)
@@ -126,7 +125,7 @@ def test_critic_never_stepped_is_caught(parity_runner, parity_mutant_score):
 
 
 def test_reward_at_first_token_is_caught(parity_runner, parity_mutant_score):
-    pair = legacy_vs_worker(parity_runner, BASE, ["reward-at-first-token"])
+    pair = legacy_vs_worker(parity_runner, SHORT, ["reward-at-first-token"])
     comparison = pair.comparison
     parity_mutant_score("reward-at-first-token", comparison.verdict == "diverged")
     assert comparison.verdict == "diverged"
@@ -140,7 +139,7 @@ def test_reward_at_first_token_is_caught(parity_runner, parity_mutant_score):
 
 
 def test_reward_missing_engine_fails_early_with_one_line(parity_runner, parity_mutant_score):
-    spec = dataclasses.replace(BASE, trainer="worker", inject=["reward-missing-engine"])
+    spec = dataclasses.replace(SHORT, trainer="worker", inject=["reward-missing-engine"])
     with pytest.raises(LaunchError) as info:
         parity_runner.job(spec, separate=True)  # a failure would end a warm pool: launch alone
     parity_mutant_score("reward-missing-engine", True)  # the run failed, loudly
