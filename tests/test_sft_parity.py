@@ -153,10 +153,10 @@ def test_legacy_val_formula_is_exact_with_one_micro_batch(parity_runner):
 # --- accelerate launch ------------------------------------------------------------------------
 
 
-def _accelerate(out, *launcher_args: str) -> subprocess.CompletedProcess:
+def _accelerate(out, *launcher_args: str, steps: int = 20) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args]
     cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd += ["-m", "worker.sft", "--trainer", "worker", "--out", str(out), "--steps", "20"]
+    cmd += ["-m", "worker.sft", "--trainer", "worker", "--out", str(out), "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
@@ -171,7 +171,7 @@ def test_worker_under_accelerate_launch_matches_torchrun(parity_runner, tmp_path
 
 def test_accelerate_cpu_flag_trap_runs_one_process(tmp_path):
     """`accelerate launch --cpu --num_processes 2` silently runs ONE process, as measured."""
-    proc = _accelerate(tmp_path / "cpu", "--cpu", "--num_processes", "2")
+    proc = _accelerate(tmp_path / "cpu", "--cpu", "--num_processes", "2", steps=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((tmp_path / "cpu" / "manifest.json").read_text())
     assert manifest["world_size"] == 1
