@@ -264,7 +264,7 @@ def _suite_child(pytest_args: list[str]) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = Path(tempfile.mkdtemp(prefix="parity-suite-runs-"))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=8",
            f"--parity-keep-runs={runs}", *pytest_args]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -285,13 +285,15 @@ def _suite_child(pytest_args: list[str]) -> None:
     lines = out.strip().splitlines() or [""]
     tail = next((x for x in reversed(lines) if " in " in x and "=" in x), lines[-1])
     failed = [x for x in lines if x.startswith(("FAILED ", "ERROR "))]  # pytest's short summary
+    slowest = [x for x in lines if re.match(r"\d+\.\d+s (call|setup|teardown) ", x)]
     timings = [json.loads(t.read_text()) for t in runs.rglob("timing.json")]
     trained = [t["train_seconds"] for t in timings if "train_seconds" in t]  # jobs, not launches
     shutil.rmtree(runs, ignore_errors=True)
     report = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
               "maxrss_kib": usage.ru_maxrss, "tree_pss_kib": peak[0],
               "tree_rss_kib": peak[1], "rc": proc.returncode, "tail": tail,
-              "failed": failed, "train_s": sum(trained), "jobs": len(trained)}  # fmt: skip
+              "failed": failed, "train_s": sum(trained), "jobs": len(trained),
+              "slowest": slowest}  # fmt: skip
     print(json.dumps(report))
 
 
@@ -319,6 +321,9 @@ def bench_suite(pytest_args: list[str]) -> None:
     print(f"          training inside it: {r['train_s']:.0f} s in {r['jobs']} jobs "
           f"({r['train_s'] / r['wall_s']:.0%} of the wall); the rest is starting ranks, "
           f"launch and failure tests, reading and comparing")  # fmt: skip
+    print("          slowest tests (where a cut would count):")
+    for line in r["slowest"]:
+        print(f"            {line}")
     for line in r["failed"]:
         print(f"          {line}")
 
