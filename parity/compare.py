@@ -36,15 +36,22 @@ __all__ = [
 
 ULP_MAX = int(np.iinfo(np.uint64).max)
 _SIGN = np.uint64(1 << 63)
+_MAGNITUDE = np.int64((1 << 63) - 1)
 _TIMING = ("mfu", "time", "timing", "throughput", "tokens_per_s", "/tps", "perf/")
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
-    """float64 bits -> uint64 keys in the order of the reals; both zeros map to 2**63."""
-    u = np.asarray(x, dtype=np.float64).view(np.uint64)
-    magnitude = u & ~_SIGN
-    return np.where((u & _SIGN) != 0, _SIGN - magnitude, u + _SIGN)
+    """float64 bits -> uint64 keys in the order of the reals; both zeros map to 2**63.
+
+    The key is 2**63 + (the magnitude bits, negated for a set sign bit), in four passes over
+    the array rather than a select between two computed arrays (half the time).
+    """
+    i = np.asarray(x, dtype=np.float64).view(np.int64)
+    sign = i >> 63  # -1 where the sign bit is set, else 0
+    signed = i ^ (sign & _MAGNITUDE)  # negative: -1 - magnitude
+    signed -= sign  # negative: -magnitude; -0.0 and +0.0 both 0
+    return signed.view(np.uint64) ^ _SIGN
 
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -52,7 +59,7 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     ka, kb = _ordered(a), _ordered(b)
-    d = np.where(ka >= kb, ka - kb, kb - ka)
+    d = np.maximum(ka, kb) - np.minimum(ka, kb)
     if np.isfinite(a).all() and np.isfinite(b).all():  # the usual case: no NaN or inf to mend
         return d
     with np.errstate(invalid="ignore"):
