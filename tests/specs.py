@@ -1,9 +1,9 @@
 """Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
 
 import dataclasses
-from pathlib import Path
 
 from parity.spec import JobSpec, PairSpec
+from worker.data.charcount import FIXTURES
 
 # 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
 FIXED = JobSpec(
@@ -35,7 +35,7 @@ def plain(world_size: int = 2, **changes) -> JobSpec:
 # fixtures/charcount-small: the first 64 train and 8 val samples of fixtures/charcount. With a
 # global batch of 32 an epoch is 2 steps, so 3 steps cross into the second epoch (a fifth of the
 # training the full set needs to get there)
-SMALL_DATA = str(Path(__file__).resolve().parents[1] / "fixtures" / "charcount-small")
+SMALL_DATA = str(FIXTURES / "charcount-small")
 EPOCHS = JobSpec(
     world_size=2, steps=3, global_batch_size=32, micro_batch_size=8, overrides={"data": SMALL_DATA}
 )

@@ -2,6 +2,9 @@
 
 import filecmp
 import re
+from pathlib import Path
+
+from specs import SMALL_DATA
 
 from worker.data.charcount import (
     DATA_DIR,
@@ -52,7 +55,7 @@ def test_small_fixture_is_the_head_of_the_full_one():
     lines of fixtures/charcount, unchanged."""
     for name, n in (("train.jsonl", 64), ("val.jsonl", 8)):
         full = (DATA_DIR / name).read_text().splitlines(keepends=True)
-        assert (FIXTURES / "charcount-small" / name).read_text() == "".join(full[:n]), name
+        assert (Path(SMALL_DATA) / name).read_text() == "".join(full[:n]), name
 
 
 def test_tokenizer_is_character_level_and_masks_the_prompt():
