@@ -144,48 +144,56 @@ def _train_seconds(run_dir: Path) -> float:
     return float(json.loads((run_dir / "timing.json").read_text())["train_seconds"])
 
 
-def _pair_once(steps: int, in_process: bool) -> tuple[float, float]:
-    """(wall time of `parity pair`, training time inside both sides) for one 2-rank SFT pair."""
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (and theirs): a whole launch's tree."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _pair_once(steps: int, in_process: bool) -> tuple[float, float, float]:
+    """(wall time of `parity pair`, training time inside both sides, CPU time of its process
+    tree) for one 2-rank SFT pair."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "2"]
         cmd += ["--steps", str(steps), "--out", tmp, "--json"]
         cmd += ["--in-process"] if in_process else []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _children_cpu()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
         if proc.returncode != 0:
             raise SystemExit(f"pair failed: {proc.stderr[-2000:]}")
         train = sum(_train_seconds(Path(tmp) / side) for side in ("a", "b"))
-    return wall, train
+    return wall, train, cpu
 
 
-def _launch_once(steps: int) -> tuple[float, float]:
-    """(wall time of one 2-rank worker launch, its training time)."""
+def _launch_once(steps: int) -> tuple[float, float, float]:
+    """(wall time of one 2-rank worker launch, its training time, its tree's CPU time)."""
     from parity.runs import run_job
     from parity.spec import JobSpec
 
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _children_cpu()
         run = run_job(JobSpec(world_size=2, steps=steps), Path(tmp) / "run")
-        wall = time.perf_counter() - start
-        return wall, _train_seconds(run.dir)
+        wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
+        return wall, _train_seconds(run.dir), cpu
 
 
-Timed = Callable[[], tuple[float, float]]  # one run: (wall time, training time inside it)
+Timed = Callable[[], tuple[float, float, float]]  # one run: (wall, training inside it, CPU)
 
 
-def _interleaved(fns: list[Timed], repeats: int) -> list[tuple[float, float, float]]:
-    """Per fn: median wall, median training and median of the runs' own wall/training. The fns
-    take turns, so a drift of this VM's speed during the repeats hits each of them alike."""
-    runs: list[list[tuple[float, float]]] = [[] for _ in fns]
+def _interleaved(fns: list[Timed], repeats: int) -> list[tuple[float, float, float, float]]:
+    """Per fn: median wall, median training, median of the runs' own wall/training and median
+    CPU time. The fns take turns, so a drift of this VM's speed hits each of them alike."""
+    runs: list[list[tuple[float, float, float]]] = [[] for _ in fns]
     for _ in range(repeats):
         for out, fn in zip(runs, fns, strict=True):
             out.append(fn())
     return [
         (
-            statistics.median(w for w, _ in r),
-            statistics.median(t for _, t in r),
-            statistics.median(w / t for w, t in r),
+            statistics.median(w for w, _, _ in r),
+            statistics.median(t for _, t, _ in r),
+            statistics.median(w / t for w, t, _ in r),
+            statistics.median(c for _, _, c in r),
         )
         for r in runs
     ]
@@ -197,7 +205,7 @@ def bench_pairs(step_counts: tuple[int, ...], repeats: int) -> None:
         separate, in_process = _interleaved(
             [lambda s=steps: _pair_once(s, False), lambda s=steps: _pair_once(s, True)], repeats
         )
-        (ws, ts, rs), (wi, ti, ri) = separate, in_process
+        (ws, ts, rs, _), (wi, ti, ri, _) = separate, in_process
         goal = f" (goal <= 1.15: {_goal(ri <= 1.15)})" if steps >= 200 else ""
         print(f"overhead  2 ranks x {steps} steps: two launches {ws:.1f} s / training {ts:.1f} s, "
               f"ratio {rs:.2f}; in-process {wi:.1f} s / {ti:.1f} s, ratio {ri:.2f}{goal}; "
@@ -206,7 +214,7 @@ def bench_pairs(step_counts: tuple[int, ...], repeats: int) -> None:
 
 def bench_startup(repeats: int) -> None:
     """(2): one launch's start-up, and a whole in-process 20-step pair against one launch."""
-    (one_wall, one_train, _), (pair_wall, pair_train, _) = _interleaved(
+    (one_wall, one_train, _, one_cpu), (pair_wall, pair_train, _, pair_cpu) = _interleaved(
         [lambda: _launch_once(20), lambda: _pair_once(20, True)], repeats
     )
     startup, pair_startup = one_wall - one_train, pair_wall - pair_train
@@ -215,6 +223,8 @@ def bench_startup(repeats: int) -> None:
           f"outside training; in-process 20-step pair: {pair_wall:.1f} s wall "
           f"({pair_wall / one_wall:.2f}x one launch), {pair_startup:.1f} s outside training = "
           f"{ratio:.2f}x one launch's (goal < 1.5x: {_goal(ratio < 1.5)})")  # fmt: skip
+    print(f"          CPU time of the process tree: one launch {one_cpu:.1f} s, the in-process "
+          f"pair {pair_cpu:.1f} s ({pair_cpu / one_cpu:.2f}x)")  # fmt: skip
 
 
 # --- (5) the parity suite ------------------------------------------------------------------------
