@@ -10,9 +10,10 @@ launch would find it:
 Reset between sides (`SideRunner`): the models of the side before are freed while the process
 group still exists (the group is kept and reused), modules of the job's packages imported by the
 side before are dropped so the next side imports them fresh (no module-level cache survives), and
-os.environ, sys.argv, the RNG states and torch's global flags are restored to what they were
-before the first side. The job build re-applies determinism itself
-(worker.determinism.set_determinism). The same runner serves a warm pool (parity.pool).
+os.environ, sys.argv, the RNG states, torch's global flags and whether the garbage collector
+runs are restored to what they were before the first side. The job build re-applies
+determinism itself (worker.determinism.set_determinism). The same runner serves a warm pool
+(parity.pool).
 
 Mutants: a side written `-m parity.inject --mutants A -m MODULE ...` gets them applied to its
 fresh modules, and every function, method or class they replaced outside the job's packages is
@@ -164,6 +165,7 @@ class _Baseline:
     numpy_rng: Any
     torch_rng: Any
     torch_flags: dict[str, Any]
+    gc_enabled: bool  # a job may turn the collector off for its start-up (worker.entry)
 
     @classmethod
     def take(cls) -> _Baseline:
@@ -177,6 +179,7 @@ class _Baseline:
             np.random.get_state(),
             torch.get_rng_state(),
             _torch_flags(),
+            gc.isenabled(),
         )
 
     def restore(self) -> None:
@@ -191,6 +194,7 @@ class _Baseline:
         np.random.set_state(self.numpy_rng)
         torch.set_rng_state(self.torch_rng)
         _set_torch_flags(self.torch_flags)
+        (gc.enable if self.gc_enabled else gc.disable)()
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()  # compiled graphs hold guards on the freed modules
         if torch.cuda.is_initialized():
@@ -380,8 +384,9 @@ class SideRunner:
     """Runs job sides one after another in this rank process, each as a fresh launch finds it.
 
     Before every side but the first: the job packages' modules are dropped and the baseline
-    (environment, argv, RNG states, torch's flags) restored. A side's mutants are applied to the
-    fresh modules and undone after it (`Patches`), so sides may carry different mutants.
+    (environment, argv, RNG states, torch's flags, the collector on or off) restored. A side's
+    mutants are applied to the fresh modules and undone after it (`Patches`), so sides may
+    carry different mutants.
     """
 
     def __init__(self) -> None:
@@ -410,7 +415,10 @@ class SideRunner:
         sys.argv[:] = [file, *args]  # what runpy gives a `-m MODULE` run
         train(args)
         del train
-        gc.collect()  # free this side's models while the process group exists
+        # free this side's models while the process group exists; a job may have frozen them
+        # (worker.entry freezes its start-up's objects), and frozen objects are never collected
+        gc.unfreeze()
+        gc.collect()
         _barrier()
         seconds = time.monotonic() - start
         undone = patches.undo(catalogue) if patches is not None else []

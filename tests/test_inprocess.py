@@ -8,10 +8,13 @@ without launching anything.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import subprocess
 import sys
+import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,15 @@ from safetensors.torch import load_file
 from specs import LAUNCH_MODES
 
 from parity import assert_parity
-from parity.inprocess import SEPARATOR, _Baseline, _parse, _unwrap_inject, command, refusal
+from parity.inprocess import (
+    SEPARATOR,
+    SideRunner,
+    _Baseline,
+    _parse,
+    _unwrap_inject,
+    command,
+    refusal,
+)
 from parity.spec import JobSpec, PairSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +161,9 @@ def test_baseline_restores_what_a_job_changes(monkeypatch):
         random.seed(5)
         np.random.seed(5)
         torch.manual_seed(5)
+        gc.disable()
         baseline.restore()
+        assert gc.isenabled()
         assert "PARITY_TEST_NEW" not in os.environ and os.environ["PARITY_TEST_KEEP"] == "1"
         assert torch.get_default_dtype() == dtype and torch.get_num_threads() == threads
         assert torch.are_deterministic_algorithms_enabled() == deterministic
@@ -159,6 +172,46 @@ def test_baseline_restores_what_a_job_changes(monkeypatch):
     finally:
         torch.set_default_dtype(dtype)
         torch.use_deterministic_algorithms(deterministic)
+        gc.enable()
+
+
+def test_a_side_that_froze_its_models_still_has_them_freed(tmp_path, monkeypatch):
+    """A job may pause the collector and freeze its start-up's objects (worker.entry does):
+    after its side, its models are still freed (before the next side or the group's end), and
+    the collector runs for the next side as it did before the first."""
+    (tmp_path / "frozenjob_demo.py").write_text(
+        textwrap.dedent(
+            """
+            import gc, weakref
+            import frozenjob_refs
+
+            class Model:  # in a reference cycle, as wrapped modules are
+                def __init__(self):
+                    self.me = self
+
+            def train(argv):
+                frozenjob_refs.collector_on.append(gc.isenabled())
+                gc.disable()
+                model = Model()
+                frozenjob_refs.models.append(weakref.ref(model))
+                gc.freeze()
+            """
+        )
+    )
+    refs = types.ModuleType("frozenjob_refs")
+    refs.models, refs.collector_on = [], []
+    monkeypatch.setitem(sys.modules, "frozenjob_refs", refs)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runner = SideRunner()
+    try:
+        runner.run("frozenjob_demo", [])
+        assert refs.models[0]() is None and gc.get_freeze_count() == 0
+        runner.run("frozenjob_demo", [])
+        assert refs.models[1]() is None
+        assert refs.collector_on == [True, True]  # the reset turned it back on for side 2
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):

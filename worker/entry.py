@@ -36,14 +36,16 @@ def _lifecycle(train: Callable[[list[str] | None], None], argv: list[str] | None
 
 
 def pause_gc_until_training() -> None:
-    """Turn the cyclic garbage collector off for a job's start-up (`run_job` does).
+    """Turn the cyclic garbage collector off for a job's start-up: `run_job` does before torch's
+    import, each job's `train` before its own (in-process and pooled sides start there).
 
     Why: importing torch, DTensor and transformers and building the job makes about 600,000
     objects that live as long as the process, and the collector walks them again and again
     while they pile up. Off until training starts, then frozen (`resume_gc_for_training`): a
     2-rank, 4-step launch took 11.8 instead of 13.6 CPU-s here (median of 10, interleaved), its
-    largest process 8 MB more. No number changes: in-process and pooled jobs, which keep the
-    collector on, are bitwise the launched ones (tests/test_inprocess.py, tests/test_pool.py).
+    largest process 8 MB more. No number changes: the collector frees memory, it computes
+    nothing (launched, in-process and pooled jobs are bitwise equal: tests/test_inprocess.py,
+    tests/test_pool.py).
     """
     gc.disable()
 

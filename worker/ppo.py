@@ -6,10 +6,11 @@ torchrun --nproc-per-node 2 -m worker.ppo --trainer worker --out runs/b
 
 from __future__ import annotations
 
-from worker.entry import fit_and_finish, run_job
+from worker.entry import fit_and_finish, pause_gc_until_training, run_job
 
 
 def train(argv: list[str] | None = None) -> None:
+    pause_gc_until_training()  # the imports and the build; fit_and_finish turns it back on
     from worker.ppo_common import PPOJob, parse_config
     from worker.trainers.legacy_ppo import LegacyPPOTrainer
     from worker.trainers.ppo import PPOTrainer
