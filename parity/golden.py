@@ -1,15 +1,25 @@
-"""Golden baselines: a stored run folder (exact metrics.jsonl + the fingerprint of its environment).
+"""Golden baselines: exact metrics per environment, each with the fingerprint it was made in.
 
-A golden is itself a minimal run folder, so every reader, `parity compare`, `parity report` and
-`parity check --golden` take it as it is. A mismatch is judged by the fingerprint: the same
-environment means a regression; a different one (torch, CPU instruction set, backend, device,
-world size) means "environment changed: rebaseline", since bitwise equality was never promised
-across environments.
+Bitwise equality is only promised within one environment (torch, CPU instruction set, backend,
+device, world size...): the BLAS picks its kernels by CPU, so the same job sums in another order on
+another host (seen: two x86_64 Xeon hosts, with and without AMX, part at step 3). A golden is
+therefore a folder with one baseline per environment, `<golden>/<baseline_name>/`, each a minimal
+run folder (metrics.jsonl + manifest.json) that every reader, `parity compare`, `parity report`
+and `parity check --golden` take as it is; a golden made before (the files directly in the
+folder) is read as one baseline.
+
+A run is judged against the baseline of its own environment: a mismatch there is a regression.
+With none for its environment it is compared with the closest one (fewest fingerprint keys
+apart): equal bits still match, a mismatch says "environment changed: rebaseline" and names what
+differs; `save_golden` (`pytest -m parity --parity-update-golden`) then adds this environment's
+baseline and leaves the others as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,17 +84,46 @@ def _manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
-def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> None:
-    """Make (or rewrite) a golden from a finished run folder."""
+def baseline_name(env: dict[str, Any]) -> str:
+    """The folder of one environment's baseline, readable at a glance: device, then the GPU or
+    the machine and its CPU instruction sets, then a hash of the whole fingerprint."""
+    digest = hashlib.blake2b(
+        json.dumps(env, sort_keys=True, default=str).encode(), digest_size=4
+    ).hexdigest()
+    gpu, isa = env.get("environment.gpu"), env.get("environment.cpu_isa") or []
+    parts = [env.get("device") or "unknown"]
+    parts += [str(gpu)] if gpu else [env.get("environment.machine") or "unknown", *isa]
+    label = f"{parts[0]}-{'.'.join(parts[1:])}-{digest}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+
+
+def baselines(golden_dir: Path) -> list[Path]:
+    """Every baseline of a golden: the folder itself (the older one-baseline layout), then each
+    subfolder holding a metrics.jsonl, by name."""
+    golden_dir = Path(golden_dir)
+    found = [golden_dir] if (golden_dir / "metrics.jsonl").is_file() else []
+    if golden_dir.is_dir():
+        found += sorted(p for p in golden_dir.iterdir() if (p / "metrics.jsonl").is_file())
+    return found
+
+
+def baseline_for(golden_dir: Path, run_dir: Path) -> Path | None:
+    """The baseline recorded in the run's own environment, or None."""
+    env = fingerprint(_manifest(run_dir))
+    return next((b for b in baselines(golden_dir) if fingerprint(_manifest(b)) == env), None)
+
+
+def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> Path:
+    """Make (or rewrite) the baseline of the run's environment in a golden; the baselines of
+    other environments are kept. Returns the baseline's folder."""
     golden_dir = Path(golden_dir)
     frame = _compared(read_metrics(run_dir))
-    manifest = _manifest(run_dir)
-    golden_dir.mkdir(parents=True, exist_ok=True)
-    write_metrics(frame, golden_dir / "metrics.jsonl", "jsonl")
-    write_json_atomic(
-        golden_dir / "manifest.json",
-        {"golden": {"spec": spec or {}}, **_nest(fingerprint(manifest))},
-    )
+    env = fingerprint(_manifest(run_dir))
+    target = baseline_for(golden_dir, run_dir) or golden_dir / baseline_name(env)
+    target.mkdir(parents=True, exist_ok=True)
+    write_metrics(frame, target / "metrics.jsonl", "jsonl")
+    write_json_atomic(target / "manifest.json", {"golden": {"spec": spec or {}}, **_nest(env)})
+    return target
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -103,43 +142,64 @@ class GoldenResult:
     status: str  # MATCH, REGRESSION or ENV_CHANGED
     comparison: Comparison
     environment_diff: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    baseline: Path | None = None  # the baseline the run was compared with
+    own_environment: bool = True  # whether that baseline was recorded in the run's environment
 
     @property
     def ok(self) -> bool:
         return self.status == MATCH
 
     def message(self) -> str:
-        lines = [f"golden: {self.status}"]
+        if self.baseline is None:
+            where = ""
+        elif self.own_environment:
+            where = f" (baseline {self.baseline.name}, this environment's)"
+        else:
+            where = (
+                f" (baseline {self.baseline.name}; none recorded in this environment, "
+                "this is the closest)"
+            )
+        lines = [f"golden: {self.status}{where}"]
         for key, (g, r) in self.environment_diff.items():
             lines.append(f"  {key}: golden {g!r}, run {r!r}")
         return "\n".join(lines + [self.comparison.table()])
 
 
 def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResult:
-    """Compare a finished run with its golden; GoldenError when they cannot be compared."""
+    """Compare a finished run with the golden's baseline for its environment (else the closest);
+    GoldenError when they cannot be compared."""
     golden_dir = Path(golden_dir)
-    if not (golden_dir / "metrics.jsonl").exists():
+    found = baselines(golden_dir)
+    if not found:
         raise GoldenError(
             f"{golden_dir}: no golden here; make it with `pytest -m parity --parity-update-golden`"
         )
-    golden = _compared(read_metrics(golden_dir))
+    current = fingerprint(_manifest(run_dir))
+    diffs = []
+    for b in found:
+        stored = fingerprint(_manifest(b))
+        diffs.append(
+            {k: (stored[k], current[k]) for k in FINGERPRINT_KEYS if stored[k] != current[k]}
+        )
+    best = min(range(len(found)), key=lambda i: len(diffs[i]))  # the first of the closest
+    baseline, diff = found[best], diffs[best]
+    golden = _compared(read_metrics(baseline))
     run = _compared(read_metrics(run_dir))
     if len(golden.index) != len(run.index) or list(golden.index) != list(run.index):
         raise GoldenError(
-            f"{golden_dir / 'metrics.jsonl'}: golden has {len(golden.index)} steps "
+            f"{baseline / 'metrics.jsonl'}: golden has {len(golden.index)} steps "
             f"({golden.index.min()}..{golden.index.max()}), the run has {len(run.index)} "
             f"({run.index.min()}..{run.index.max()})"
         )
     unknown = sorted(set(golden.columns) ^ set(run.columns))
     if unknown:
         raise GoldenError(
-            f"{golden_dir / 'metrics.jsonl'}: metrics not in both golden and run: "
+            f"{baseline / 'metrics.jsonl'}: metrics not in both golden and run: "
             + ", ".join(unknown)
         )
     comparison = compare_frames(golden, run, policies)
-    stored, current = _manifest(golden_dir), _manifest(run_dir)
-    fa, fb = fingerprint(stored), fingerprint(current)
-    diff = {k: (fa[k], fb[k]) for k in FINGERPRINT_KEYS if fa[k] != fb[k]}
     if comparison.ok:
-        return GoldenResult(MATCH, comparison, diff)
-    return GoldenResult(ENV_CHANGED if diff else REGRESSION, comparison, diff)
+        status = MATCH
+    else:
+        status = ENV_CHANGED if diff else REGRESSION
+    return GoldenResult(status, comparison, diff, baseline, own_environment=not diff)

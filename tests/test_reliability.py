@@ -393,16 +393,21 @@ def test_golden_manifest_problems_are_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(GoldenError, match=r"run/manifest\.json: missing"):
         save_golden(tmp_path / "g", run)
     (run / "manifest.json").write_text('{"world_size": 2}')
-    save_golden(tmp_path / "g", run)
+    baseline = save_golden(tmp_path / "g", run)
     assert verify_golden(tmp_path / "g", run).ok
+    whole = (baseline / "manifest.json").read_text()
     for text, message in (("{bad", "cannot read: Expecting"), ("[]", "must be a JSON object")):
-        (tmp_path / "g" / "manifest.json").write_text(text)
-        with pytest.raises(GoldenError, match=f"g/manifest\\.json: {message}") as info:
+        (baseline / "manifest.json").write_text(text)
+        with pytest.raises(
+            GoldenError, match=f"{baseline.name}/manifest\\.json: {message}"
+        ) as info:
             verify_golden(tmp_path / "g", run)
         assert "\n" not in str(info.value)
     shifted = tmp_path / "shifted"  # as many steps as the golden, but other step numbers
     shifted.mkdir()
     (shifted / "metrics.jsonl").write_text('{"step": 2, "a": 1.0}\n{"event": "end", "steps": 2}\n')
+    (shifted / "manifest.json").write_text('{"world_size": 2}')
+    (baseline / "manifest.json").write_text(whole)
     with pytest.raises(
         GoldenError, match=r"golden has 1 steps \(1\.\.1\), the run has 1 \(2\.\.2\)"
     ):
