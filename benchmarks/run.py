@@ -350,7 +350,13 @@ def main() -> None:
     if args.suite_child is not None:
         _suite_child(json.loads(args.suite_child))
         return
-    print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    from worker.metrics_log import environment
+
+    env = environment()  # figures move with the host: name its CPU as a golden's fingerprint does
+    print(
+        f"# {os.cpu_count()} CPUs ({env['machine']}: {' '.join(env['cpu_isa']) or '?'}), "
+        f"load average {os.getloadavg()[0]:.1f} at start"
+    )
     bench_compare(100_000 if args.quick else 1_000_000, 3 if args.quick else 5)
     bench_reader(100_000 if args.quick else 1_000_000, 3)
     if not args.skip_pair:

@@ -41,7 +41,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--parity-update-golden",
         action="store_true",
-        help="rewrite the golden baselines from this run instead of checking them",
+        help="write the golden baselines of this run's environment instead of checking them "
+        "(those of other environments are kept)",
     )
     group.addoption(
         "--parity-golden-dir",
@@ -249,7 +250,8 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[
 
 
 class GoldenChecker:
-    """`parity_golden.check(name, run)`: compare a run with fixtures/golden/<name>, or rewrite."""
+    """`parity_golden.check(name, run)`: compare a run with the baseline of its environment in
+    fixtures/golden/<name> (parity.golden), or write that baseline."""
 
     def __init__(self, golden_dir: Path, update: bool):
         self.golden_dir, self.update = golden_dir, update

@@ -231,6 +231,14 @@ def check_golden(
         except RevisionError:
             tree = Path.cwd()
     golden = Path(golden)
+    if golden.is_dir() and not (golden / "metrics.jsonl").is_file():
+        from parity.golden import baselines
+
+        if found := baselines(golden):  # which one is right is for the user to say
+            raise RevisionError(
+                f"{golden}: a golden with one baseline per environment; pass one of them: "
+                + ", ".join(str(b / "metrics.jsonl") for b in found)
+            )
     read_metrics(golden)  # a bad golden file fails before the run, not after
     out = Path(out).resolve()
     if (out / "current") in golden.resolve().parents or golden.resolve() == out / "current":

@@ -104,6 +104,19 @@ def test_a_golden_of_the_older_one_baseline_layout_is_still_read(tmp_path):
     assert verify_golden(golden, tmp_path / "b").status == MATCH
 
 
+def test_check_against_a_golden_folder_names_its_baselines(tmp_path):
+    """`parity check --golden` compares with one file: given a golden's folder it names them."""
+    from parity.revisions import RevisionError, check_golden
+
+    golden = tmp_path / "golden"
+    old = save_golden(golden, _run(tmp_path / "old", [3.0]))
+    new = save_golden(golden, _run(tmp_path / "new", [3.0], env=AMX))
+    with pytest.raises(RevisionError, match="one baseline per environment; pass one of them") as e:
+        check_golden(FIXED, golden, tmp_path / "out")  # refused before anything runs
+    assert f"{old}/metrics.jsonl" in str(e.value) and f"{new}/metrics.jsonl" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
 def test_wrong_length_unknown_metrics_and_missing_golden_are_errors(tmp_path):
     save_golden(tmp_path / "golden", _run(tmp_path / "made", [3.0, 2.5, 2.25]))
     with pytest.raises(GoldenError, match=r"golden has 3 steps .* the run has 2"):
