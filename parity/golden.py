@@ -1,8 +1,8 @@
 """Golden baselines: exact metrics per environment, each with the fingerprint it was made in.
 
-Bitwise equality is only promised within one environment (torch, CPU instruction set, backend,
-device, world size...): the BLAS picks its kernels by CPU, so the same job sums in another order on
-another host (seen: two x86_64 Xeon hosts, with and without AMX, part at step 3). A golden is
+Bitwise equality is only promised within one environment (torch, CPU instruction set and vendor,
+backend, device, world size...): the BLAS picks its kernels by CPU, so the same job sums in another
+order on another host (seen: two x86_64 hosts, one with AMX, part at step 3). A golden is
 therefore a folder with one baseline per environment, `<golden>/<baseline_name>/`, each a minimal
 run folder (metrics.jsonl + manifest.json) that every reader, `parity compare`, `parity report`
 and `parity check --golden` take as it is; a golden made before (the files directly in the
@@ -12,7 +12,8 @@ A run is judged against the baseline of its own environment: a mismatch there is
 With none for its environment it is compared with the closest one (fewest fingerprint keys
 apart): equal bits still match, a mismatch says "environment changed: rebaseline" and names what
 differs; `save_golden` (`pytest -m parity --parity-update-golden`) then adds this environment's
-baseline and leaves the others as they are.
+baseline and leaves the others as they are. A key a baseline does not record (it was made before
+the key was fingerprinted) tells no environments apart.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ FINGERPRINT_KEYS = (
     "environment.transformers",
     "environment.machine",
     "environment.cpu_isa",
+    "environment.cpu_vendor",
     "environment.cuda",
     "environment.gpu",
     "backend",
@@ -60,6 +62,24 @@ def fingerprint(manifest: dict[str, Any]) -> dict[str, Any]:
             node = node.get(part) if isinstance(node, dict) else None
         out[key] = node
     return out
+
+
+def _recorded(manifest: dict[str, Any], key: str) -> bool:
+    """Whether a manifest has `key` at all (null included): a baseline made before a key was
+    fingerprinted does not record it."""
+    node: Any = manifest
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def environment_diff(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
+    """The fingerprint keys in which a baseline's manifest and a run's differ, as (baseline, run);
+    a key the baseline does not record tells nothing apart."""
+    a, b = fingerprint(stored), fingerprint(current)
+    return {k: (a[k], b[k]) for k in FINGERPRINT_KEYS if a[k] != b[k] and _recorded(stored, k)}
 
 
 def _compared(frame: pd.DataFrame) -> pd.DataFrame:
@@ -109,8 +129,8 @@ def baselines(golden_dir: Path) -> list[Path]:
 
 def baseline_for(golden_dir: Path, run_dir: Path) -> Path | None:
     """The baseline recorded in the run's own environment, or None."""
-    env = fingerprint(_manifest(run_dir))
-    return next((b for b in baselines(golden_dir) if fingerprint(_manifest(b)) == env), None)
+    run = _manifest(run_dir)
+    return next((b for b in baselines(golden_dir) if not environment_diff(_manifest(b), run)), None)
 
 
 def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> Path:
@@ -174,13 +194,8 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
         raise GoldenError(
             f"{golden_dir}: no golden here; make it with `pytest -m parity --parity-update-golden`"
         )
-    current = fingerprint(_manifest(run_dir))
-    diffs = []
-    for b in found:
-        stored = fingerprint(_manifest(b))
-        diffs.append(
-            {k: (stored[k], current[k]) for k in FINGERPRINT_KEYS if stored[k] != current[k]}
-        )
+    current = _manifest(run_dir)
+    diffs = [environment_diff(_manifest(b), current) for b in found]
     best = min(range(len(found)), key=lambda i: len(diffs[i]))  # the first of the closest
     baseline, diff = found[best], diffs[best]
     golden = _compared(read_metrics(baseline))

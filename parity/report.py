@@ -43,6 +43,8 @@ _FIRST = (
     "environment.platform",
     "environment.machine",
     "environment.cpu_isa",
+    "environment.cpu_vendor",
+    "environment.cpu_model",
     "device",
     "backend",
     "world_size",

@@ -94,6 +94,24 @@ def test_an_environment_without_a_baseline_is_compared_with_the_closest(tmp_path
     assert verify_golden(golden, _run(tmp_path / "y", [3.0, 2.5], env=third)).status == MATCH
 
 
+def test_cpu_vendor_tells_apart_unless_the_baseline_predates_it(tmp_path):
+    """Hosts with the same instruction sets but another vendor (the BLAS dispatches on both) are
+    two environments; a baseline made before the vendor was fingerprinted matches either, as it
+    did then."""
+    intel = {**ENV, "environment": {**ENV["environment"], "cpu_vendor": "GenuineIntel"}}
+    amd = {**ENV, "environment": {**ENV["environment"], "cpu_vendor": "AuthenticAMD"}}
+    golden = tmp_path / "golden"
+    made = save_golden(golden, _run(tmp_path / "intel", [3.0, 2.5], env=intel))
+    result = verify_golden(golden, _run(tmp_path / "amd", [3.0, 2.4], env=amd))
+    assert result.status == ENV_CHANGED
+    assert result.environment_diff == {"environment.cpu_vendor": ("GenuineIntel", "AuthenticAMD")}
+    manifest = json.loads((made / "manifest.json").read_text())
+    del manifest["environment"]["cpu_vendor"]  # as a baseline made before the key was recorded
+    (made / "manifest.json").write_text(json.dumps(manifest))
+    assert baseline_for(golden, tmp_path / "amd") == made
+    assert verify_golden(golden, tmp_path / "amd").status == REGRESSION
+
+
 def test_a_golden_of_the_older_one_baseline_layout_is_still_read(tmp_path):
     golden = _run(tmp_path / "golden", [3.0, 2.5])  # metrics.jsonl right in the golden's folder
     assert verify_golden(golden, _run(tmp_path / "a", [3.0, 2.5])).status == MATCH

@@ -223,18 +223,18 @@ def environment() -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu_flags = ""
+    cpu: dict[str, str] = {}  # the first processor's fields: the BLAS picks kernels by them
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    cpu_flags = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if not key.strip():
                     break
+                cpu.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    isa = [
-        f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon") if f in cpu_flags
-    ]
+    flags = cpu.get("flags", cpu.get("Features", "")).split()
+    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon") if f in flags]
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -242,6 +242,8 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_isa": isa,
+        "cpu_vendor": cpu.get("vendor_id") or cpu.get("CPU implementer"),
+        "cpu_model": cpu.get("model name"),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
