@@ -112,6 +112,37 @@ def test_cpu_vendor_tells_apart_unless_the_baseline_predates_it(tmp_path):
     assert verify_golden(golden, tmp_path / "amd").status == REGRESSION
 
 
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 avx512fp16
+
+processor\t: 1
+vendor_id\t: SomeoneElse
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd sve bf16 i8mm
+CPU implementer\t: 0x41
+CPU part\t: 0xd40
+
+processor\t: 1
+"""
+
+
+def test_cpu_facts_are_read_from_the_first_processor_on_x86_and_arm():
+    """What the fingerprint's CPU keys are made of (worker.metrics_log.cpu_facts)."""
+    from worker.metrics_log import cpu_facts
+
+    intel = ["avx512f", "avx512_bf16", "amx_tile", "avx2", "fma"]
+    assert cpu_facts(X86_CPUINFO) == {
+        "cpu_isa": intel, "cpu_vendor": "GenuineIntel", "cpu_model": "Intel(R) Xeon(R) Processor"
+    }  # fmt: skip
+    arm = {"cpu_isa": ["asimd", "sve", "bf16", "i8mm"], "cpu_vendor": "0x41", "cpu_model": "0xd40"}
+    assert cpu_facts(ARM_CPUINFO) == arm
+    assert cpu_facts("") == {"cpu_isa": [], "cpu_vendor": None, "cpu_model": None}
+
+
 def test_a_golden_of_the_older_one_baseline_layout_is_still_read(tmp_path):
     golden = _run(tmp_path / "golden", [3.0, 2.5])  # metrics.jsonl right in the golden's folder
     assert verify_golden(golden, _run(tmp_path / "a", [3.0, 2.5])).status == MATCH

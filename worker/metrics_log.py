@@ -218,32 +218,45 @@ def git_revision(path: Path) -> str | None:
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
 
+# instruction sets the BLAS dispatches on: x86, then arm (32-bit `neon`, 64-bit `asimd` on)
+CPU_ISA = ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma")
+CPU_ISA += ("neon", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_facts(cpuinfo: str) -> dict[str, Any]:
+    """`cpu_isa`, `cpu_vendor` and `cpu_model` from /proc/cpuinfo's first processor (x86 or arm):
+    the BLAS picks its kernels by them, so two hosts apart in them may sum in other orders."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if not key.strip():
+            break  # the end of the first processor's block
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", fields.get("Features", "")).split())
+    return {
+        "cpu_isa": [f for f in CPU_ISA if f in flags],
+        "cpu_vendor": fields.get("vendor_id") or fields.get("CPU implementer"),
+        "cpu_model": fields.get("model name") or fields.get("CPU part"),
+    }
+
+
 def environment() -> dict[str, Any]:
     """Versions and machine facts that decide whether two runs can be bitwise equal."""
     import torch
     import transformers
 
-    cpu: dict[str, str] = {}  # the first processor's fields: the BLAS picks kernels by them
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip():
-                    break
-                cpu.setdefault(key.strip(), value.strip())
+            cpu = cpu_facts(f.read())
     except OSError:
-        pass
-    flags = cpu.get("flags", cpu.get("Features", "")).split()
-    isa = [f for f in ("avx512f", "avx512_bf16", "amx_tile", "avx2", "fma", "neon") if f in flags]
+        cpu = cpu_facts("")
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_isa": isa,
-        "cpu_vendor": cpu.get("vendor_id") or cpu.get("CPU implementer"),
-        "cpu_model": cpu.get("model name"),
+        **cpu,
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
