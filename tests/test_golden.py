@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from specs import FIXED
+from specs import FIXED, PPO
 
 from parity.golden import (
     ENV_CHANGED,
@@ -178,9 +178,15 @@ def test_wrong_length_unknown_metrics_and_missing_golden_are_errors(tmp_path):
 
 
 @pytest.mark.parity
-def test_charcount_sft_matches_committed_golden(parity_runner, parity_golden):
-    run = parity_runner.job(FIXED)
-    golden = parity_golden.golden_dir / "charcount-sft-worker"
+@pytest.mark.parametrize(
+    ("name", "spec"),
+    # the PPO golden was made before the rollout gathered its layers once (Engine.gathered):
+    # its match shows that change kept every bit
+    [("charcount-sft-worker", FIXED), ("charcount-ppo-worker", PPO)],
+)
+def test_committed_golden_matches(parity_runner, parity_golden, name, spec):
+    run = parity_runner.job(spec)
+    golden = parity_golden.golden_dir / name
     if not parity_golden.update and baseline_for(golden, run.dir) is None:
         # bits are only promised within one environment: on a host none was recorded on, the
         # check cannot say match or regression (verify_golden says "rebaseline", tested above)
@@ -190,7 +196,7 @@ def test_charcount_sft_matches_committed_golden(parity_runner, parity_golden):
             f"{', '.join(apart)}); `pytest -m parity -k committed_golden --parity-update-golden` "
             "adds one"
         )
-    result = parity_golden.check("charcount-sft-worker", run)
+    result = parity_golden.check(name, run)
     assert result.status == MATCH and result.own_environment
 
 

@@ -138,3 +138,37 @@ def test_warm_start_actor_is_the_recorded_sft_of_the_tiny_model():
     assert {k: v for k, v in warm.items() if k != "use_cache"} == {
         k: v for k, v in base.items() if k != "use_cache"
     }
+
+
+def test_gathered_keeps_the_fsdp2_layers_gathered_inside_and_resharded_after():
+    """The rollout's generation (`Engine.gathered`): the layers are all-gathered once for all of
+    its forwards, not per forward, with the same bits; after it, each forward reshards again as
+    fully_shard set it (a one-rank FSDP2 engine, without torchrun)."""
+    from torch.distributed.tensor import DTensor
+
+    from worker.determinism import set_determinism
+    from worker.distributed import init_distributed
+    from worker.engine import Engine, OptimConfig
+    from worker.model import load_model
+
+    d = init_distributed()
+    set_determinism(0)
+    engine = Engine(load_model(), "fsdp2", OptimConfig(), d)
+    weight = engine.model.model.layers[0].self_attn.q_proj
+    ids = torch.tensor([[5, 6, 7, 8]])
+
+    def forward() -> tuple[torch.Tensor, bool]:
+        logits = engine.model(input_ids=ids).logits
+        return logits, isinstance(weight.weight, DTensor)  # registered sharded or gathered
+
+    with torch.no_grad():
+        before, sharded = forward()
+        assert sharded
+        with engine.gathered():
+            assert forward()[1] is False  # kept gathered for the next forward
+            inside, sharded = forward()
+            assert not sharded
+        assert isinstance(weight.weight, DTensor)  # resharded on the way out
+        after, sharded = forward()
+        assert sharded  # and the next forward reshards again
+    assert torch.equal(before, inside) and torch.equal(inside, after)

@@ -7,7 +7,9 @@ about the code above it: the loops, the loss normalization and the metric code.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +92,30 @@ class Engine:
         if self.data_digest is not None:
             self.data_digest.add(self.digest_kinds[not torch.is_grad_enabled()], mb)
         return self.module(**mb.model_inputs(self.dist.device)).logits
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Forwards inside see the FSDP2 layers all-gathered once, not once per forward.
+
+        Generation runs max_new_tokens forwards, and each re-gathered every layer (the root keeps
+        its parameters after forward anyway). The forwards see the same gathered values in the same
+        layout, so the same bits. The layers are resharded after, as their last forward would have
+        left them. DDP: nothing to gather.
+        """
+        if self.kind != "fsdp2":
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        layers = [m for m in self.model.model.layers if isinstance(m, FSDPModule)]
+        for layer in layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.set_reshard_after_forward(True, recurse=False)  # as fully_shard set them
+                layer.reshard()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

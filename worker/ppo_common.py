@@ -209,9 +209,10 @@ def _seed(*parts: int) -> int:
 def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
     """Sample one response per prompt from the current actor, seeded by (seed, step, rank).
 
-    Every rank generates its own share with the (sharded) actor. Early stopping is off, so all
-    ranks run exactly max_new_tokens forwards (FSDP2 all-gathers in each); the response is cut
-    after its first eos afterwards.
+    Every rank generates its own share with the actor, its FSDP2 layers gathered once for the
+    whole generation (`Engine.gathered`: not once per generated token). Early stopping is off, so
+    all ranks run exactly max_new_tokens forwards; the response is cut after its first eos
+    afterwards.
     """
     cfg, d, tok = job.cfg, job.dist, job.tokenizer
     ids = [
@@ -226,7 +227,7 @@ def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
     input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=d.device)
     attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=d.device)
     devices = [d.device] if d.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with job.actor.gathered(), torch.random.fork_rng(devices=devices):
         torch.manual_seed(_seed(cfg.seed, step, d.rank))
         out = job.actor.model.generate(
             input_ids=input_ids, attention_mask=attention, do_sample=True,
