@@ -233,6 +233,7 @@ def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
             input_ids=input_ids, attention_mask=attention, do_sample=True,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0, top_p=1.0,
             eos_token_id=None, pad_token_id=pad, use_cache=True,
+            synced_gpus=False,  # every rank runs max_new_tokens forwards: no per-token all-reduce
         )  # fmt: skip
     samples = []
     for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
