@@ -53,33 +53,31 @@ class GoldenError(MetricsError):
     """A golden that cannot be compared at all (missing, wrong length, unknown metrics)."""
 
 
-def fingerprint(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The environment facts of a run manifest that decide whether bits can be reproduced."""
-    out: dict[str, Any] = {}
-    for key in FINGERPRINT_KEYS:
-        node: Any = manifest
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        out[key] = node
-    return out
+_UNRECORDED = object()
 
 
-def _recorded(manifest: dict[str, Any], key: str) -> bool:
-    """Whether a manifest has `key` at all (null included): a baseline made before a key was
-    fingerprinted does not record it."""
+def _lookup(manifest: dict[str, Any], key: str) -> Any:
+    """The value at a dotted key (null included), or _UNRECORDED where the manifest lacks it."""
     node: Any = manifest
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return _UNRECORDED
         node = node[part]
-    return True
+    return node
+
+
+def fingerprint(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The environment facts of a run manifest that decide whether bits can be reproduced."""
+    values = {key: _lookup(manifest, key) for key in FINGERPRINT_KEYS}
+    return {key: None if v is _UNRECORDED else v for key, v in values.items()}
 
 
 def environment_diff(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple]:
     """The fingerprint keys in which a baseline's manifest and a run's differ, as (baseline, run);
     a key the baseline does not record tells nothing apart."""
     a, b = fingerprint(stored), fingerprint(current)
-    return {k: (a[k], b[k]) for k in FINGERPRINT_KEYS if a[k] != b[k] and _recorded(stored, k)}
+    recorded = [k for k in FINGERPRINT_KEYS if _lookup(stored, k) is not _UNRECORDED]
+    return {k: (a[k], b[k]) for k in recorded if a[k] != b[k]}
 
 
 def _compared(frame: pd.DataFrame) -> pd.DataFrame:
@@ -127,10 +125,22 @@ def baselines(golden_dir: Path) -> list[Path]:
     return found
 
 
+def _closest(golden_dir: Path, run_dir: Path) -> tuple[Path, dict[str, tuple]] | None:
+    """The golden's baseline fewest fingerprint keys apart from the run (the first of those),
+    with the keys apart; None when the golden has no baseline."""
+    found = baselines(golden_dir)
+    if not found:
+        return None
+    run = _manifest(run_dir)
+    diffs = [environment_diff(_manifest(b), run) for b in found]
+    best = min(range(len(found)), key=lambda i: len(diffs[i]))
+    return found[best], diffs[best]
+
+
 def baseline_for(golden_dir: Path, run_dir: Path) -> Path | None:
     """The baseline recorded in the run's own environment, or None."""
-    run = _manifest(run_dir)
-    return next((b for b in baselines(golden_dir) if not environment_diff(_manifest(b), run)), None)
+    closest = _closest(golden_dir, run_dir)
+    return closest[0] if closest is not None and not closest[1] else None
 
 
 def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> Path:
@@ -189,15 +199,12 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
     """Compare a finished run with the golden's baseline for its environment (else the closest);
     GoldenError when they cannot be compared."""
     golden_dir = Path(golden_dir)
-    found = baselines(golden_dir)
-    if not found:
+    closest = _closest(golden_dir, run_dir)
+    if closest is None:
         raise GoldenError(
             f"{golden_dir}: no golden here; make it with `pytest -m parity --parity-update-golden`"
         )
-    current = _manifest(run_dir)
-    diffs = [environment_diff(_manifest(b), current) for b in found]
-    best = min(range(len(found)), key=lambda i: len(diffs[i]))  # the first of the closest
-    baseline, diff = found[best], diffs[best]
+    baseline, diff = closest
     golden = _compared(read_metrics(baseline))
     run = _compared(read_metrics(run_dir))
     if len(golden.index) != len(run.index) or list(golden.index) != list(run.index):
