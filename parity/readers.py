@@ -416,19 +416,37 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     return _Tokens(cats, codes, vals, n_lines)
 
 
-_PIECE_BYTES = 8 << 20  # logs above twice this are read in two pieces, one per thread
+_PIECE_BYTES = 4 << 20  # a log is read in pieces of about this size, on one thread per core
 
 
-def _halves(raw: bytes) -> list[bytes | memoryview]:
-    """`raw` cut after the first newline past its middle (lines are read one by one, so nothing
-    spans the cut), or whole when it is small or has no such newline."""
+def _cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _pieces(raw: bytes) -> list[bytes | memoryview]:
+    """`raw` cut after the first newline past every `_PIECE_BYTES` (lines are read one by one,
+    so nothing spans a cut); whole when it is small.
+
+    Why pieces and not one per core: the join and `bytes.replace` of `_console_tokens` hold the
+    GIL while numpy and pandas' parser release it, so with several pieces per thread one
+    thread's GIL-bound part overlaps another's parsing (a 1M-line log, 88 MB, on 2 cores: about
+    0.8 s in 4 MB pieces, 1.0-1.1 s in two halves)."""
     if len(raw) < 2 * _PIECE_BYTES:
         return [raw]
-    cut = raw.find(b"\n", len(raw) // 2)
-    if cut < 0:
-        return [raw]
-    view = memoryview(raw)
-    return [view[: cut + 1], view[cut + 1 :]]
+    view, pieces, start = memoryview(raw), [], 0
+    while len(raw) - start >= 2 * _PIECE_BYTES:
+        cut = raw.find(b"\n", start + _PIECE_BYTES)
+        if cut < 0:
+            break
+        pieces.append(view[start : cut + 1])
+        start = cut + 1
+    if start < len(raw):
+        pieces.append(view[start:])
+    return pieces
 
 
 def _merge(pieces: list[_Tokens]) -> _Tokens:
@@ -451,18 +469,18 @@ def _merge(pieces: list[_Tokens]) -> _Tokens:
 def _console_fast(raw: bytes) -> tuple[pd.DataFrame, pd.DataFrame] | None:
     """Vectorised path for well-formed logs; None means "let the line-by-line reader decide".
 
-    A large log is read in two halves on two threads (numpy and pandas' parser release the
-    GIL), then its tokens are merged; every check of `_console_tokens` holds for each half.
+    A large log is read in pieces on one thread per core (numpy and pandas' parser release the
+    GIL), then its tokens are merged; every check of `_console_tokens` holds for each piece.
     """
-    halves = _halves(raw)
-    if len(halves) == 1:
+    parts = _pieces(raw)
+    if len(parts) == 1:
         pieces = [_console_tokens(raw)]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(len(halves)) as pool:
-            pieces = list(pool.map(_console_tokens, halves))
-        del halves
+        with ThreadPoolExecutor(min(len(parts), _cores())) as pool:
+            pieces = list(pool.map(_console_tokens, parts))
+        del parts
     if any(p is None for p in pieces):
         return None
     tokens = _merge(pieces)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from parity.readers import (
     _console_fast,
     _console_slow,
     _maybe_bool,
+    _pieces,
     _step_text,
     _steps_are_digits,
     present_mask,
@@ -207,23 +208,23 @@ def near_valid_line(draw):
 
 
 def _assert_fast_is_slow_or_declines(text: str) -> None:
-    """The fast path, whole and in two halves on two threads, either declines (None) or gives
+    """The fast path, whole and in pieces on several threads, either declines (None) or gives
     exactly the line-by-line reader's frame."""
     import parity.readers
 
     whole = _console_fast(text.encode())
     saved = parity.readers._PIECE_BYTES
-    parity.readers._PIECE_BYTES = 4  # any log of 8 bytes or more is read in two halves
+    parity.readers._PIECE_BYTES = 4  # a log of 8 bytes or more is read in pieces
     try:
-        halves = _console_fast(text.encode())
+        pieces = _console_fast(text.encode())
     finally:
         parity.readers._PIECE_BYTES = saved
     try:
         slow = _console_slow(text, Path("x.log"))
     except MetricsError:
-        assert whole is None and halves is None
+        assert whole is None and pieces is None
         return
-    for fast in (whole, halves):
+    for fast in (whole, pieces):
         if fast is not None:
             fast[0].attrs["present"], slow[0].attrs["present"] = fast[1], slow[1]
             assert_same_frame(fast[0], slow[0])
@@ -273,8 +274,28 @@ def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
     frame, present = _console_fast(text)
     assert list(frame.columns) == ["a", "b"] and list(frame.index) == [1, 2, 3]
     assert frame["b"].tolist() == [1.5, -2e-05, 0.0] and present.to_numpy().all()
-    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)  # two halves, merged
+    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)  # in pieces, merged
     assert _console_fast(text)[0].equals(frame)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=30),
+       size=st.integers(1, 16), end=st.booleans())  # fmt: skip
+def test_pieces_cut_only_after_newlines(lines, size, end):
+    """The pieces put back together are the log; each but the last ends with a newline and is
+    at least `_PIECE_BYTES` long; a log under two pieces' worth stays whole."""
+    from unittest import mock
+
+    import parity.readers
+
+    raw = b"\n".join(lines) + (b"\n" if end else b"")
+    with mock.patch.object(parity.readers, "_PIECE_BYTES", size):
+        pieces = [bytes(p) for p in _pieces(raw)]
+    assert b"".join(pieces) == raw
+    assert all(p.endswith(b"\n") and len(p) >= size for p in pieces[:-1])
+    assert len(pieces) == 1 or len(pieces[-1]) > 0
+    if len(raw) < 2 * size:
+        assert pieces == [raw]
 
 
 def test_maybe_bool_looks_only_at_rows_read_as_0_or_1():
@@ -286,15 +307,15 @@ def test_maybe_bool_looks_only_at_rows_read_as_0_or_1():
     assert _maybe_bool(body, np.array([9]))  # more rows than lines: decline, do not guess
 
 
-def test_console_half_without_step_lines(monkeypatch):
-    """A half with only other output (start-up logs) is empty, not a reason to decline."""
+def test_console_piece_without_step_lines(monkeypatch):
+    """A piece with only other output (start-up logs) is empty, not a reason to decline."""
     import parity.readers
 
     text = b"loading\n" * 8 + b"step:1 - a:1\nstep:2 - a:2"
     whole = _console_fast(text)
     monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)
-    halves = _console_fast(text)
-    assert whole is not None and halves is not None and halves[0].equals(whole[0])
+    pieces = _console_fast(text)
+    assert whole is not None and pieces is not None and pieces[0].equals(whole[0])
     assert _console_fast(b"loading\n" * 8) is None  # no step line at all: the slow reader says
 
 
