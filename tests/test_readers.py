@@ -5,6 +5,7 @@ import math
 import random
 import re
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -213,12 +214,8 @@ def _assert_fast_is_slow_or_declines(text: str) -> None:
     import parity.readers
 
     whole = _console_fast(text.encode())
-    saved = parity.readers._PIECE_BYTES
-    parity.readers._PIECE_BYTES = 4  # a log of 8 bytes or more is read in pieces
-    try:
+    with mock.patch.object(parity.readers, "_PIECE_BYTES", 4):  # 8 bytes or more: in pieces
         pieces = _console_fast(text.encode())
-    finally:
-        parity.readers._PIECE_BYTES = saved
     try:
         slow = _console_slow(text, Path("x.log"))
     except MetricsError:
@@ -284,8 +281,6 @@ def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
 def test_pieces_cut_only_after_newlines(lines, size, end):
     """The pieces put back together are the log; each but the last ends with a newline and is
     at least `_PIECE_BYTES` long; a log under two pieces' worth stays whole."""
-    from unittest import mock
-
     import parity.readers
 
     raw = b"\n".join(lines) + (b"\n" if end else b"")
