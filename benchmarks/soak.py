@@ -23,6 +23,7 @@ from pathlib import Path
 
 from parity.launch import LaunchError, survivors
 from parity.runs import run_pair
+from parity.signals import Interrupted, cancellable, deferred
 from parity.spec import JobSpec, PairSpec
 
 MUTANTS = ("lr-before-step", "loss-summed-over-ranks", "missing-dp-factor")
@@ -55,9 +56,10 @@ def _children() -> list[int]:
     return found
 
 
-def soak(pairs: int, out: Path, steps: int = 3, log=print) -> dict:
-    """Run ``pairs`` pairs into ``out``; returns the counts and one record per pair."""
-    records = []
+def soak(pairs: int, out: Path, steps: int = 3, log=print, records: list | None = None) -> dict:
+    """Run ``pairs`` pairs into ``out``; returns the counts and one record per pair (appended to
+    ``records`` as each pair ends, if given: what an interruption leaves)."""
+    records = [] if records is None else records
     for i in range(pairs):
         pair, expected = plan(i, steps)
         start = time.monotonic()
@@ -97,12 +99,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.steps < 1:
         print("soak: error: --pairs and --steps must be >= 1", file=sys.stderr)
         return 2
-    out = args.out or Path(tempfile.mkdtemp(prefix="parity-soak-"))
-    try:
-        summary = soak(args.pairs, out, args.steps, log=lambda s: print(s, file=sys.stderr))
-    finally:
-        if args.out is None:
-            shutil.rmtree(out, ignore_errors=True)
+    # SIGINT, SIGTERM and SIGHUP alike (parity.signals): launches stopped, temp folder removed
+    with cancellable() as owner:
+        records: list[dict] = []
+        out = args.out
+        try:
+            if out is None:
+                with deferred():  # a signal waits for `out`, which the finally then removes
+                    out = Path(tempfile.mkdtemp(prefix="parity-soak-"))
+            summary = soak(
+                args.pairs, out, args.steps, lambda s: print(s, file=sys.stderr), records
+            )
+        except Interrupted as e:
+            if not owner:  # an outer handler reports it
+                raise
+            where = f"runs in {out}" if args.out else "its temporary runs removed"
+            print(f"soak: interrupted by {e.signame} (exit {e.exit_code}) after {len(records)} "
+                  f"of {args.pairs} pairs; {where}", file=sys.stderr)  # fmt: skip
+            return e.exit_code
+        finally:
+            if args.out is None and out is not None:
+                with deferred():
+                    shutil.rmtree(out, ignore_errors=True)
     bad = summary["false_verdicts"] + summary["failed"] + summary["leftovers"]
     if args.json:
         print(json.dumps(summary))

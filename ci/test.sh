@@ -7,7 +7,7 @@ VENV="${PARITY_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev,writers]'
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$VENV/bin/python" -m ruff check worker parity tests benchmarks
+"$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks
 exec "$VENV/bin/python" -m pytest "$@"

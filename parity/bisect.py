@@ -17,6 +17,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,14 @@ from parity.files import write_json_atomic, write_text_atomic
 from parity.launch import LaunchError
 from parity.readers import MetricsError, read_metrics
 from parity.revisions import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
+from parity.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 
 __all__ = ["BisectResult", "TestedCommit", "bisect", "first_divergence", "step_main"]
 
 GOOD, BAD, SKIP, ABORT = 0, 1, 125, 255  # `git bisect run` exit codes of the test command
 _QUIET_GIT = ("-c", "core.hooksPath=/dev/null", "-c", "gc.auto=0")
+_MARKER_ENV = "PARITY_BISECT_ID"  # marks every process of one `git bisect run`
 _FIRST_BAD = re.compile(r"^([0-9a-f]{40}) is the first bad commit", re.MULTILINE)
 _ANY_OF = re.compile(r"first bad commit could be any of:\n((?:[0-9a-f]{40}\n?)+)")
 
@@ -188,38 +192,75 @@ def step_main(argv: list[str]) -> int:
 
 
 def _run_bisect(tree: Path, config: Path) -> str:
-    """``git bisect run`` the step in its own process group; on Ctrl-C or any error it gets
-    SIGINT (so a running job is torn down by its launcher), then SIGKILL after 30 s."""
+    """``git bisect run`` the step in its own process group; on Ctrl-C, SIGTERM, SIGHUP
+    (parity.signals) or any error, `_stop` stops it and everything it started."""
     harness_root = str(Path(parity.__file__).resolve().parent.parent)
     cmd = ["git", "-C", str(tree), *_QUIET_GIT, "bisect", "run"]
     cmd += [sys.executable, "-P", "-c", _STEP, harness_root, "--config", str(config)]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    marker = uuid.uuid4().hex  # in the environment of every process the bisection starts
+    proc = None
     try:
+        with deferred():  # a signal waits for `proc`, which it then stops
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+                env={**os.environ, _MARKER_ENV: marker},
+            )
         output, _ = proc.communicate()
     except BaseException:
-        _stop(proc)
+        if proc is not None:
+            with deferred():
+                _stop(proc, marker)
         raise
     return output
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
+def _stop(proc: subprocess.Popen, marker: str, grace_s: float = 30.0) -> None:
+    """SIGINT to git bisect run's group, so that the step's launcher tears its job down (its
+    torchrun is in a session of its own); whatever still carries ``marker`` after ``grace_s``
+    (git, the step, the job's torchrun and ranks) is killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + grace_s
+    while _marked(marker) and time.monotonic() < deadline:
+        proc.poll()  # reap git as soon as it exits
+        time.sleep(0.1)
+    for _ in range(100):
+        left = _marked(marker)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.1)
+    proc.wait()
+
+
+def _marked(marker: str) -> list[int]:
+    """Live (non-zombie) processes with ``marker`` in their environment."""
+    needle = f"{_MARKER_ENV}={marker}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            if stat[stat.rindex(")") + 2 :].startswith("Z"):
+                continue
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
 
 
 def bisect(
@@ -284,11 +325,13 @@ def _bisect_in(tree: Path, good_c: str, bad_c: str, out: Path, config: Path) -> 
         except RevisionError:
             pass
     finally:  # the worktree's own bisect state; removing the worktree drops it anyway
-        subprocess.run(
-            ["git", "-C", str(tree), *_QUIET_GIT, "bisect", "reset", "--quiet"],
-            capture_output=True,
-            stdin=subprocess.DEVNULL,
-        )
+        with deferred():
+            subprocess.run(
+                ["git", "-C", str(tree), *_QUIET_GIT, "bisect", "reset", "--quiet"],
+                capture_output=True,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
     tested = {}
     for path in sorted((out / "commits").glob("*/verdict.json")):
         t = TestedCommit(**json.loads(path.read_text()))

@@ -1,8 +1,9 @@
 """`parity`: run matched pairs, compare metric files, write reports, check git revisions.
 
-Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format), 3 a run failed,
-4 nondeterministic (pair --noise-floor: side A run twice differed). bisect: 1 when it names the
-first diverging commit, 0 when bad is aligned with good.
+Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format, a partial read), 3 a run
+failed, 4 nondeterministic (pair --noise-floor: side A run twice differed). bisect: 1 when it
+names the first diverging commit, 0 when bad is aligned with good. Stopped by a signal: 130
+(SIGINT), 143 (SIGTERM), 129 (SIGHUP); output into a closed pipe: 141.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from parity.compare import Comparison, Policy, compare_frames
 from parity.launch import LaunchError
-from parity.readers import MetricsError, read_metrics
+from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
 from parity.report import build_report, write_report
 from parity.spec import JobSpec, PairSpec, SpecError, load_policies, load_spec
 
@@ -145,15 +146,22 @@ def _report_teardown(result, as_json: bool, extra: dict) -> int:
     return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
 
 
+def _read_options(args: argparse.Namespace, side: str) -> dict:
+    """read_metrics' keywords for one side: --run (or --run-a/--run-b) and --duplicates."""
+    run = getattr(args, f"run_{side}") or args.run
+    return {"run": run, "duplicates": args.duplicates}
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    a = read_metrics(args.a, args.format)
-    b = read_metrics(args.b, args.format)
+    a = read_metrics(args.a, args.format, **_read_options(args, "a"))
+    b = read_metrics(args.b, args.format, **_read_options(args, "b"))
     comparison = compare_frames(
         a,
         b,
         _policies(args.policy),
         allow_missing=args.allow_missing,
         allow_incomplete=args.allow_incomplete,
+        allow_skipped=args.allow_skipped,
     )
     return _report(comparison, args.json, {"diagnosis": _diagnosis(args.a, args.b, comparison)})
 
@@ -173,6 +181,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         fmt=args.format,
         allow_missing=args.allow_missing,
         allow_incomplete=args.allow_incomplete,
+        allow_skipped=args.allow_skipped,
+        read_a=_read_options(args, "a"),
+        read_b=_read_options(args, "b"),
     )
     md = report.write(Path(args.out))
     html = md.with_name("report.html")
@@ -290,18 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="compare two metric files or run folders")
     compare.add_argument("a")
     compare.add_argument("b")
-    compare.add_argument("--format", choices=["jsonl", "verl-console", "verl-jsonl", "csv"])
-    compare.add_argument("--allow-missing", action="store_true")
-    compare.add_argument("--allow-incomplete", action="store_true")
+    _read_arguments(compare)
     compare.set_defaults(func=cmd_compare)
 
     report = sub.add_parser("report", help="write report.md and report.html for two runs")
     report.add_argument("a")
     report.add_argument("b")
     report.add_argument("-o", "--out", required=True, help="folder for report.md/report.html")
-    report.add_argument("--format", choices=["jsonl", "verl-console", "verl-jsonl", "csv"])
-    report.add_argument("--allow-missing", action="store_true")
-    report.add_argument("--allow-incomplete", action="store_true")
+    _read_arguments(report)
     report.set_defaults(func=cmd_report)
 
     check = sub.add_parser(
@@ -334,8 +341,71 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_arguments(parser: argparse.ArgumentParser) -> None:
+    """How compare and report read their two sides."""
+    parser.add_argument("--format", choices=FORMATS, help="default: detected per side")
+    parser.add_argument(
+        "--run", help="the run to read in a folder holding several (TensorBoard, W&B, MLflow)"
+    )
+    parser.add_argument("--run-a", help="--run for side A only")
+    parser.add_argument("--run-b", help="--run for side B only")
+    parser.add_argument(
+        "--duplicates",
+        choices=DUPLICATE_RULES,
+        default="error",
+        help="a step logged twice with other values (a restarted run): error (default), or keep "
+        "the first or the last and say so",
+    )
+    parser.add_argument("--allow-missing", action="store_true")
+    parser.add_argument("--allow-incomplete", action="store_true")
+    parser.add_argument(
+        "--allow-skipped",
+        action="store_true",
+        help="compare although a reader skipped records it could not use (the table says so)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. SIGINT, SIGTERM and SIGHUP stop it alike (parity.signals): launches
+    stopped, worktrees and temp folders removed, what was written kept, one line on stderr, exit
+    130, 143 or 129. Output into a closed pipe (`parity compare A B | head`) ends quietly, 141."""
+    from parity.signals import Interrupted, cancellable, quiet_closed_pipe
+
     args = build_parser().parse_args(argv)
+    with cancellable() as owner:
+        try:
+            code = _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            return code
+        except Interrupted as e:
+            if not owner:  # an outer handler (the pytest plugin's) reports it
+                raise
+            try:
+                print(_interrupted_line(args, e.signame, e.exit_code), file=sys.stderr, flush=True)
+            except BrokenPipeError:
+                quiet_closed_pipe()
+            return e.exit_code
+        except BrokenPipeError:
+            return quiet_closed_pipe()
+
+
+_CLEANED_UP = {
+    "pair": "launches stopped",
+    "check": "launches stopped, temporary worktrees removed",
+    "bisect": "launches stopped, temporary worktree and its bisect state removed",
+}
+
+
+def _interrupted_line(args: argparse.Namespace, signame: str, exit_code: int) -> str:
+    """The one line an interrupted command prints: what, by which signal, where its results are."""
+    line = f"parity: {args.command} interrupted by {signame} (exit {exit_code})"
+    if args.command in _CLEANED_UP:
+        line += f": {_CLEANED_UP[args.command]}"
+    out = getattr(args, "out", None)
+    return line + (f"; what was completely written is in {out}" if out else "")
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except (SpecError, MetricsError, ValueError) as e:

@@ -19,7 +19,15 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from parity.readers import IncompleteRunError, MetricsError, present_mask
+from parity.readers import (
+    IncompleteRunError,
+    MetricsError,
+    SkippedRecordsError,
+    present_mask,
+    read_summary,
+    skipped_count,
+)
+from parity.readers.frame import FLOAT64, coarser
 
 __all__ = [
     "ULP_MAX",
@@ -28,6 +36,7 @@ __all__ = [
     "MetricResult",
     "MetricsError",
     "Policy",
+    "SkippedRecordsError",
     "StepRange",
     "compare_frames",
     "default_policy",
@@ -37,7 +46,30 @@ __all__ = [
 ULP_MAX = int(np.iinfo(np.uint64).max)
 _SIGN = np.uint64(1 << 63)
 _MAGNITUDE = np.int64((1 << 63) - 1)
-_TIMING = ("mfu", "time", "timing", "throughput", "tokens_per_s", "/tps", "perf/")
+# Run-to-run noise in the stacks people bring (verl, torchtitan, Megatron, HF, Lightning, NeMo):
+# time, throughput and memory never reproduce, so by default they are ignored and listed as such.
+_NOISE = (
+    "mfu",
+    "time",
+    "timing",
+    "throughput",
+    "tokens_per_s",
+    "tokens/s",
+    "tokens_per_sec",
+    "samples_per_second",
+    "steps_per_second",
+    "per_second",
+    "samples/s",
+    "it/s",
+    "tflops",
+    "flops",
+    "memory",
+    "mem-",
+    "mem_",
+    "/mem",
+    "perf/",
+)
+_NOISE_EXACT = ("tps", "wps", "mfu")  # whole names only ("outputs" holds "tps")
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
 
 
@@ -54,11 +86,30 @@ def _ordered(x: np.ndarray) -> np.ndarray:
     return signed.view(np.uint64) ^ _SIGN
 
 
-def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Elementwise distance in units in the last place (uint64), symmetric, ±0 equal."""
+def _ordered_narrow(x: np.ndarray, dtype: type) -> np.ndarray:
+    """As _ordered, for float32 or float16 values (their own ULPs), widened to uint64 keys."""
+    ints = {np.float32: np.int32, np.float16: np.int16}[dtype]
+    i = np.asarray(x, dtype=dtype).view(ints).astype(np.int64)
+    bits = np.dtype(ints).itemsize * 8
+    magnitude = np.int64((1 << (bits - 1)) - 1)
+    neg = i < 0
+    signed = np.where(neg, -(i & magnitude), i)
+    return (signed + (np.int64(1) << 62)).astype(np.uint64)
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Elementwise distance in units in the last place of ``dtype`` (float64, float32 or
+    float16; uint64), symmetric, ±0 equal. A float32 source is judged in float32 ULPs."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    ka, kb = _ordered(a), _ordered(b)
+    if dtype is np.float64:
+        ka, kb = _ordered(a), _ordered(b)
+    else:
+        with np.errstate(over="ignore"):
+            ka, kb = (
+                _ordered_narrow(a.astype(dtype), dtype),
+                _ordered_narrow(b.astype(dtype), dtype),
+            )
     d = np.maximum(ka, kb) - np.minimum(ka, kb)
     if np.isfinite(a).all() and np.isfinite(b).all():  # the usual case: no NaN or inf to mend
         return d
@@ -228,9 +279,12 @@ def _piece_index(pieces: tuple[StepRange, ...], steps: np.ndarray) -> np.ndarray
 
 
 def default_policy(metric: str) -> Policy:
-    """Timing-like metrics are ignored (they never reproduce); everything else is exact."""
+    """Run-to-run noise (time, throughput, memory, mfu: ``_NOISE``) is ignored, since it never
+    reproduces; everything else is exact."""
     name = metric.lower()
-    return Policy("ignore") if any(t in name for t in _TIMING) else Policy("exact")
+    leaf = name.rsplit("/", 1)[-1]
+    noisy = any(t in name for t in _NOISE) or leaf in _NOISE_EXACT
+    return Policy("ignore") if noisy else Policy("exact")
 
 
 def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
@@ -269,6 +323,7 @@ class MetricResult:
     max_ulp_step: int | None = None
     missing_in_a: list[int] = field(default_factory=list)
     missing_in_b: list[int] = field(default_factory=list)
+    precision: str = FLOAT64  # what both sources hold: the values are judged at it
     note: str = ""
 
 
@@ -300,6 +355,7 @@ class Comparison:
     b_source: str | None = None
     steps_only_in_a: list[int] = field(default_factory=list)
     steps_only_in_b: list[int] = field(default_factory=list)
+    reads: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> what was read
 
     @property
     def ok(self) -> bool:
@@ -317,6 +373,7 @@ class Comparison:
             "b": self.b_source,
             "steps_only_in_a": _json(self.steps_only_in_a),
             "steps_only_in_b": _json(self.steps_only_in_b),
+            "reads": self.reads,
             "metrics": {
                 name: {k: _json(v) for k, v in asdict(m).items() if k != "name"}
                 for name, m in self.metrics.items()
@@ -367,7 +424,50 @@ class Comparison:
         if len(rows) > max_rows:
             rest = rows[max_rows:]
             lines.append(f"... {len(rest)} more metrics ({sum(not m.ok for m in rest)} failing)")
-        return "\n".join(lines)
+        return "\n".join(lines + self.read_lines())
+
+    def read_lines(self) -> list[str]:
+        """What each side's reader read, skipped and noted, and the metrics judged at a coarser
+        precision than float64: the verdict is only as exact as the data."""
+        rows = sorted(self.metrics.values(), key=lambda m: m.name)
+        lines = []
+        for side, read in self.reads.items():
+            if read.get("format"):
+                lines.append(f"{side}: {read['summary']}")
+            lines.extend(f"{side}: note: {n}" for n in read.get("notes", []))
+        for p in sorted({m.precision for m in rows if m.precision != FLOAT64}):
+            names = [m.name for m in rows if m.precision == p and m.status != "ignored"]
+            if names:
+                words = _precision_words(p)
+                lines.append(f"judged at {words} (what the sources hold): {_names(names)}")
+        return lines
+
+
+def _precision_words(p: str) -> str:
+    """'float32', '5 decimals', 'float32 and 4 decimals'."""
+    return " and ".join(
+        f"{x.split(':')[1]} decimals" if x.startswith("decimals:") else x for x in p.split(",")
+    )
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _at_precision(x: np.ndarray, precision: str) -> tuple[np.ndarray, type]:
+    """The values as the coarser source holds them, and the float type whose ULPs count: a
+    float32 log is judged in float32 bits and ULPs, a rounded one after rounding both sides
+    (a float width first, then decimals, where both apply)."""
+    ulp_type: type = np.float64
+    for part in precision.split(","):
+        if part in ("float32", "float16"):
+            ulp_type = np.float32 if part == "float32" else np.float16
+            with np.errstate(over="ignore"):
+                x = x.astype(ulp_type).astype(np.float64)
+        elif part.startswith("decimals:"):
+            n = int(part.split(":")[1])
+            x = np.array([round(v, n) for v in x.tolist()], dtype=np.float64)
+    return x, ulp_type
 
 
 def _steps(steps: list[int], limit: int = 8) -> str:
@@ -411,8 +511,9 @@ def _compare_metric(
     b: np.ndarray | None,
     pb: np.ndarray,
     allow_missing: bool,
+    precision: str = FLOAT64,
 ) -> MetricResult:
-    res = MetricResult(name=name, policy=str(policy), status="match")
+    res = MetricResult(name=name, policy=str(policy), status="match", precision=precision)
     if policy.kind == "ignore":
         res.status = "ignored"
         return res
@@ -424,6 +525,8 @@ def _compare_metric(
         return res
     both = pa & pb
     x, y, st = a[both], b[both], steps[both]
+    x, ulp_type = _at_precision(x, precision)
+    y, _ = _at_precision(y, precision)
     res.steps_compared = len(st)
     same = (x.view(np.uint64) == y.view(np.uint64)) | (np.isnan(x) & np.isnan(y))
     res.exact_matches = int(same.sum())
@@ -432,7 +535,7 @@ def _compare_metric(
     diff = np.flatnonzero(~same)
     every = len(diff) == len(x)  # then the whole arrays, not copies
     xd, yd = (x, y) if every else (x[diff], y[diff])
-    ulp_d = ulp_distance(xd, yd)
+    ulp_d = ulp_distance(xd, yd, ulp_type)
     if every:
         ulp = ulp_d
     else:
@@ -460,6 +563,8 @@ def _compare_metric(
             i = int(diff[at]) if top > 0 else 0
             setattr(res, field, int(top) if field == "max_ulp" else float(top))
             setattr(res, f"{field}_step", int(st[i]))
+    if precision != FLOAT64:
+        notes.append(f"judged at {_precision_words(precision)}")
     bad = ~good
     res.divergent_steps = int(bad.sum())
     if res.divergent_steps:
@@ -486,19 +591,30 @@ def compare_frames(
     *,
     allow_missing: bool = False,
     allow_incomplete: bool = False,
+    allow_skipped: bool = False,
 ) -> Comparison:
     """Compare every metric of two canonical frames (see parity.readers) under its policy.
 
     policies: metric name or fnmatch glob -> Policy or its text; an exact name beats a glob,
     globs are tried in mapping order, and unmatched metrics get default_policy. Metrics or steps
     present on one side only fail (status "missing") unless allow_missing. A side read from an
-    incomplete run (attrs["complete"] is False) raises IncompleteRunError unless allow_incomplete.
+    incomplete run (attrs["complete"] is False) raises IncompleteRunError unless allow_incomplete;
+    a side whose reader skipped records raises SkippedRecordsError unless allow_skipped (no
+    verdict from a partial read). Each metric is judged at the coarser precision of its two
+    sources (attrs["precision"]): a float32 log in float32 bits and ULPs, a rounded one rounded.
     """
     for side, frame in (("a", a), ("b", b)):
         if frame.attrs.get("complete") is False and not allow_incomplete:
             raise IncompleteRunError(
                 f"{frame.attrs.get('source', side)}: run is incomplete (no end record); "
                 "pass allow_incomplete to compare anyway"
+            )
+        if skipped_count(frame) and not allow_skipped:
+            notes = [n for n in frame.attrs.get("notes") or [] if n.startswith("first ")]
+            raise SkippedRecordsError(
+                f"{frame.attrs.get('source', side)}: {read_summary(frame, side)}"
+                + (f"; {notes[0]}" if notes else "")
+                + "; no verdict from a partial read (--allow-skipped to compare anyway)"
             )
         if not frame.index.is_unique or not frame.columns.is_unique:
             raise ValueError(f"frame {side}: steps and metric names must be unique")
@@ -523,8 +639,18 @@ def compare_frames(
                 cols[side] = (values, present[side][name].to_numpy())
             else:
                 cols[side] = (None, none)
+        precision = coarser(
+            (a.attrs.get("precision") or {}).get(name, FLOAT64),
+            (b.attrs.get("precision") or {}).get(name, FLOAT64),
+        )
         results[name] = _compare_metric(
-            name, _resolve(name, policies), steps, *cols["a"], *cols["b"], allow_missing
+            name,
+            _resolve(name, policies),
+            steps,
+            *cols["a"],
+            *cols["b"],
+            allow_missing,
+            precision,
         )
     only_a = [int(s) for s in a.index.difference(b.index)]
     only_b = [int(s) for s in b.index.difference(a.index)]
@@ -538,4 +664,16 @@ def compare_frames(
         b_source=b.attrs.get("source"),
         steps_only_in_a=only_a,
         steps_only_in_b=only_b,
+        reads={side: _read_info(frame, side) for side, frame in (("a", a), ("b", b))},
     )
+
+
+def _read_info(frame: pd.DataFrame, side: str) -> dict[str, Any]:
+    """What a side's reader read and skipped (JSON-able), with its one-line summary."""
+    return {
+        "format": frame.attrs.get("format"),
+        "steps": len(frame.index),
+        "skipped": list(frame.attrs.get("skipped") or []),
+        "notes": list(frame.attrs.get("notes") or []),
+        "summary": read_summary(frame, side),
+    }

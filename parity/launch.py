@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parity.signals import deferred
+
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
 
 # torchrun arguments that configure a (multi-node) rendezvous: with these, no --standalone.
@@ -259,15 +261,17 @@ def launch(
     launcher_log = run_dir / "launcher.log"
     timed_out = False
     start = time.monotonic()
+    deadline, exit_by = start + timeout_s, None
     with open(launcher_log, "w") as log:
         log.write(f"# {shlex.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-            start_new_session=True, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline, exit_by = start + timeout_s, None
+        proc = None
         try:
+            with deferred():  # a signal (parity.signals) waits for `proc`, which it then stops
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                    start_new_session=True, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
             while True:
                 try:
                     proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
@@ -283,10 +287,13 @@ def launch(
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            # also reached on KeyboardInterrupt or any other exception in this process
-            if proc.poll() is None:
-                _terminate(proc, launch_id, kill_grace_s)
-            _kill_leftovers(proc.pid, launch_id)
+            # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.signals) or any other
+            # exception in this process; a signal during the cleanup waits for its end
+            with deferred():
+                if proc is not None and proc.poll() is None:
+                    _terminate(proc, launch_id, kill_grace_s)
+                if proc is not None:
+                    _kill_leftovers(proc.pid, launch_id)
     duration = time.monotonic() - start
 
     result = LaunchResult(

@@ -15,6 +15,8 @@ every run folder there for inspection.
 from __future__ import annotations
 
 import re
+import signal
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -244,9 +246,61 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[
     keep = request.config.getoption("--parity-keep-runs")
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
     base.mkdir(parents=True, exist_ok=True)
+    _cancellable(request.config, base)
     runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
     yield runner
     runner.close()
+
+
+def _cancellable(config: pytest.Config, base: Path) -> None:
+    """From the first job on, SIGINT, SIGTERM and SIGHUP stop the session alike
+    (parity.signals): pytest's KeyboardInterrupt path, whose teardown stops the warm pools and
+    launches; then one line on stderr and exit 130, 143 or 129 (`pytest_sessionfinish`)."""
+    import threading
+
+    from parity import signals
+
+    if threading.current_thread() is threading.main_thread() and not signals.installed():
+        config.stash[_SIGNALS] = (signals.install(), base)
+
+
+_SIGNALS = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int):
+    """Around the session's teardown (the warm pools' closing): a signal waits for its end. After
+    an interruption, one line on stderr and exit 128 + the signal instead of pytest's 2."""
+    from parity import signals
+
+    installed = session.config.stash.get(_SIGNALS, None)
+    if installed is None:
+        return (yield)
+    restore, base = installed
+    try:
+        with signals.deferred():
+            return (yield)
+    except signals.Interrupted:  # first came during the teardown, which went on to its end
+        return None
+    finally:
+        signum = signals.received()
+        restore()
+        del session.config.stash[_SIGNALS]
+        if signum is not None:
+            session.exitstatus = 128 + signum
+            name = signal.Signals(signum).name
+            sys.stderr.write(
+                f"parity: pytest session interrupted by {name} (exit {128 + signum}): warm "
+                f"pools and launches stopped; run folders in {base}\n"
+            )
+            sys.stderr.flush()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    installed = config.stash.get(_SIGNALS, None)  # no pytest_sessionfinish (an early error)
+    if installed is not None:
+        installed[0]()
+        del config.stash[_SIGNALS]
 
 
 class GoldenChecker:

@@ -167,10 +167,12 @@ class Pool:
         """Ask the ranks to exit after their current job; kill them if they have not in grace_s."""
         from parity.files import write_json_atomic
 
-        if not self._ended.is_set():
-            write_json_atomic(_job_file(self.queue, self.jobs), {"stop": True})
-            self._ended.wait(grace_s)
-        self.kill()
+        try:
+            if not self._ended.is_set():
+                write_json_atomic(_job_file(self.queue, self.jobs), {"stop": True})
+                self._ended.wait(grace_s)
+        finally:  # interrupted (Ctrl-C, SIGTERM, SIGHUP) while waiting: kill the ranks now
+            self.kill()
 
     def kill(self) -> None:
         self._stop.set()
@@ -209,9 +211,13 @@ class Pools:
         return pool.run(spec, out)
 
     def close(self) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
+        pools, self._pools = list(self._pools.values()), {}
+        try:
+            for pool in pools:
+                pool.close()
+        finally:  # after an interruption, the pools not closed yet are killed at once
+            for pool in pools:
+                pool.kill()
 
 
 # --- rank side ------------------------------------------------------------------------------------

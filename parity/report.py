@@ -65,11 +65,15 @@ class Side:
     commands: list[tuple[str, str]] = field(default_factory=list)  # (what, shell command)
 
 
-def load_side(path: str | os.PathLike[str], label: str, fmt: str | None = None) -> Side:
+def load_side(
+    path: str | os.PathLike[str], label: str, fmt: str | None = None, **read: Any
+) -> Side:
     """Read a run folder or metrics file; a file's folder counts as its run folder when it has a
-    manifest.json or launcher.log (so runs/x/metrics.jsonl finds runs/x/manifest.json)."""
+    manifest.json or launcher.log (so runs/x/metrics.jsonl finds runs/x/manifest.json).
+
+    read: read_metrics' keywords (run, duplicates)."""
     p = Path(path)
-    frame = read_metrics(p, fmt)
+    frame = read_metrics(p, fmt, **read)
     run_dir: Path | None = p
     if not p.is_dir():
         near = [p.parent / n for n in ("manifest.json", "launcher.log")]
@@ -267,7 +271,8 @@ class Report:
         ]
 
     def _sides_info(self) -> list[str]:
-        return [f"{s.label}: {s.source}" for s in (self.a, self.b)]
+        sources = [f"{s.label}: {s.source}" for s in (self.a, self.b)]
+        return sources + self.comparison.read_lines()
 
     def markdown(self) -> str:
         """A PR comment / CI step summary: every untrusted string escaped."""
@@ -417,15 +422,22 @@ def build_report(
     fmt: str | None = None,
     allow_missing: bool = False,
     allow_incomplete: bool = False,
+    allow_skipped: bool = False,
+    read_a: Mapping[str, Any] | None = None,
+    read_b: Mapping[str, Any] | None = None,
 ) -> Report:
-    """Read both sides and compare them (raises MetricsError / IncompleteRunError like compare)."""
-    side_a, side_b = load_side(a, labels[0], fmt), load_side(b, labels[1], fmt)
+    """Read both sides and compare them (raises MetricsError / IncompleteRunError like compare).
+
+    read_a, read_b: read_metrics' keywords for each side (run, duplicates)."""
+    side_a = load_side(a, labels[0], fmt, **(read_a or {}))
+    side_b = load_side(b, labels[1], fmt, **(read_b or {}))
     comparison = compare_frames(
         side_a.frame,
         side_b.frame,
         policies,
         allow_missing=allow_missing,
         allow_incomplete=allow_incomplete,
+        allow_skipped=allow_skipped,
     )
     diagnosis = diagnose(side_a.run_dir, side_b.run_dir, comparison)
     return Report(comparison, side_a, side_b, list(notes), diagnosis)

@@ -31,6 +31,7 @@ from parity.runs import (
     teardown_notes,
     teardown_verdict,
 )
+from parity.signals import deferred
 from parity.spec import JobSpec
 
 __all__ = [
@@ -79,6 +80,7 @@ def _git(repo: Path, *args: str) -> str:
             text=True,
             stdin=subprocess.DEVNULL,
             timeout=300,
+            start_new_session=True,  # a terminal's Ctrl-C reaches us (parity.signals), not git
         )
     except (OSError, subprocess.SubprocessError) as e:
         raise RevisionError(f"git {args[0]}: {e}") from None
@@ -102,22 +104,39 @@ def resolve_revision(repo: Path, rev: str) -> str:
 
 @contextmanager
 def worktree(repo: Path, commit: str) -> Iterator[Path]:
-    """A detached checkout of ``commit`` in a temp folder, removed and pruned on exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-"))
-    path = tmp / commit[:12]
+    """A detached checkout of ``commit`` in a temp folder, removed and pruned on exit.
+
+    A signal (parity.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
+    removed: git killed half-way through `worktree add` leaves it registered and locked.
+    """
+    tmp = None
     try:
-        hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch the repo
-        _git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
+        with deferred():
+            tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-"))
+            path = tmp / commit[:12]
+            hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch it
+            _git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
         yield path
     finally:  # cleanup errors must not hide the error that brought us here
-        if path.exists():
-            _git_unchecked(repo, "worktree", "remove", "--force", str(path))
-        shutil.rmtree(tmp, ignore_errors=True)
-        _git_unchecked(repo, "worktree", "prune")
+        if tmp is not None:
+            with deferred():
+                _remove_worktree(repo, tmp, tmp / commit[:12])
+
+
+def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
+    if path.exists():
+        _git_unchecked(repo, "worktree", "remove", "--force", str(path))
+    shutil.rmtree(tmp, ignore_errors=True)
+    _git_unchecked(repo, "worktree", "prune")
 
 
 def _git_unchecked(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), *args], capture_output=True, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # not stopped half-way by a terminal's Ctrl-C
+    )
 
 
 def run_in_tree(

@@ -408,3 +408,68 @@ def test_largest_differences_are_the_full_arrays(pairs):
         (m.max_ulp, m.max_ulp_step, ulp),
     ):
         assert got == want.max() and step == int(np.argmax(want)) + 1
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("perf/max_memory_allocated_gb", "ignore"),  # verl
+        ("mem-allocated-bytes", "ignore"),  # Megatron
+        ("iteration-time", "ignore"),
+        ("train/train_samples_per_second", "ignore"),  # HF
+        ("train_runtime", "ignore"),
+        ("tps", "ignore"),  # torchtitan
+        ("wps", "ignore"),
+        ("tflops", "ignore"),
+        ("mfu(%)", "ignore"),
+        ("memory/max_reserved(GiB)", "ignore"),
+        ("perf/throughput", "ignore"),
+        ("timing_s/step", "ignore"),
+        ("tokens/s", "ignore"),
+        ("train/loss", "exact"),
+        ("train/grad_norm", "exact"),
+        ("response_length/outputs", "exact"),  # holds "tps", but is not a rate
+        ("lm loss", "exact"),
+        ("num-zeros", "exact"),
+        ("train/global_tokens", "exact"),
+        ("train/total_flos", "exact"),
+    ],
+)
+def test_default_policy_ignores_the_stacks_noise_keys(name, kind):
+    assert default_policy(name).kind == kind
+
+
+def test_precision_judges_at_the_coarser_source():
+    """A float32 log is judged in float32 bits and ULPs; a rounded one after rounding."""
+    x = 0.1 + 2**-40  # float64 that rounds to float32(0.1)
+    a, b = frame({"m": [x, 0.25]}), frame({"m": [float(np.float32(0.1)), 0.25]})
+    strict = compare_frames(a, b)
+    assert not strict.ok and strict.metrics["m"].precision == "float64"
+    b.attrs["precision"] = {"m": "float32"}
+    c = compare_frames(a, b)
+    assert c.ok and c.metrics["m"].precision == "float32" and "judged at float32" in c.table()
+    b.loc[2, "m"] = float(np.nextafter(np.float32(0.25), np.float32(1)))
+    one = compare_frames(a, b).metrics["m"]
+    assert one.first_divergent_step == 2 and one.max_ulp == 1  # one float32 ULP
+    r = frame({"m": [10.123456, 2.0]})
+    r.attrs["precision"] = {"m": "decimals:5"}
+    assert compare_frames(frame({"m": [10.1234649, 2.0]}), r).ok  # rounds to 10.12346
+    d = compare_frames(frame({"m": [10.1234651, 2.0]}), r).metrics["m"]
+    assert d.first_divergent_step == 1 and "judged at 5 decimals" in d.note
+
+
+def test_float32_against_decimals_applies_both():
+    """At a million, float32 is coarser than 3 decimals; near 1, 3 decimals are coarser."""
+    from parity.readers.frame import coarser
+
+    assert coarser("float32", "decimals:3") == "float32,decimals:3"
+    assert coarser("float64", "decimals:5") == "decimals:5"
+    assert coarser("float32,decimals:4", "decimals:2") == "float32,decimals:2"
+    assert coarser("float64", "float64") == "float64"
+    state = frame({"m": [1234567.123, 0.1234]})  # trainer_state.json: rounded to 3 decimals
+    state.attrs["precision"] = {"m": "decimals:3"}
+    tb = frame({"m": [float(np.float32(1234567.123)), float(np.float32(0.1234))]})
+    tb.attrs["precision"] = {"m": "float32"}
+    c = compare_frames(state, tb)
+    assert c.ok and c.metrics["m"].precision == "float32,decimals:3"
+    assert "judged at float32 and 3 decimals" in c.table()

@@ -14,20 +14,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parity.readers import (
-    _STEP_LINE,
-    _STEP_LINE_B,
     FORMATS,
+    WRITABLE,
     IncompleteRunError,
     MetricsError,
+    present_mask,
+    read_metrics,
+    write_metrics,
+)
+from parity.readers.verl_console import (
+    _STEP_LINE,
+    _STEP_LINE_B,
     _console_fast,
     _console_slow,
     _maybe_bool,
     _pieces,
     _step_text,
     _steps_are_digits,
-    present_mask,
-    read_metrics,
-    write_metrics,
 )
 
 SETTINGS = settings(
@@ -93,7 +96,7 @@ def frames(draw):
 
 
 @SETTINGS
-@given(frame=frames(), fmt=st.sampled_from(FORMATS))
+@given(frame=frames(), fmt=st.sampled_from(WRITABLE))
 def test_round_trip_every_format(tmp_path, frame, fmt):
     path = tmp_path / f"m.{fmt}"
     write_metrics(frame, path, fmt)
@@ -211,10 +214,12 @@ def near_valid_line(draw):
 def _assert_fast_is_slow_or_declines(text: str) -> None:
     """The fast path, whole and in pieces on several threads, either declines (None) or gives
     exactly the line-by-line reader's frame."""
-    import parity.readers
+    import parity.readers.verl_console
 
     whole = _console_fast(text.encode())
-    with mock.patch.object(parity.readers, "_PIECE_BYTES", 4):  # 8 bytes or more: in pieces
+    with mock.patch.object(
+        parity.readers.verl_console, "_PIECE_BYTES", 4
+    ):  # 8 bytes or more: in pieces
         pieces = _console_fast(text.encode())
     try:
         slow = _console_slow(text, Path("x.log"))
@@ -264,14 +269,14 @@ def test_console_same_keys_never_disagrees(text):
 
 def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
     """The usual log (one set of keys, rising steps) is built without `_assemble`."""
-    import parity.readers
+    import parity.readers.verl_console
 
     text = b"step:1 - b:1.5 - a:nan\nnoise\nstep:2 - b:-2e-05 - a:3\nstep:3 - b:0 - a:1"
-    monkeypatch.setattr(parity.readers, "_assemble", None)  # would raise if called
+    monkeypatch.setattr(parity.readers.verl_console, "assemble", None)  # would raise if called
     frame, present = _console_fast(text)
     assert list(frame.columns) == ["a", "b"] and list(frame.index) == [1, 2, 3]
     assert frame["b"].tolist() == [1.5, -2e-05, 0.0] and present.to_numpy().all()
-    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)  # in pieces, merged
+    monkeypatch.setattr(parity.readers.verl_console, "_PIECE_BYTES", 4)  # in pieces, merged
     assert _console_fast(text)[0].equals(frame)
 
 
@@ -281,10 +286,10 @@ def test_console_same_keys_skip_the_cell_assembly(monkeypatch):
 def test_pieces_cut_only_after_newlines(lines, size, end):
     """The pieces put back together are the log; each but the last ends with a newline and is
     at least `_PIECE_BYTES` long; a log under two pieces' worth stays whole."""
-    import parity.readers
+    import parity.readers.verl_console
 
     raw = b"\n".join(lines) + (b"\n" if end else b"")
-    with mock.patch.object(parity.readers, "_PIECE_BYTES", size):
+    with mock.patch.object(parity.readers.verl_console, "_PIECE_BYTES", size):
         pieces = [bytes(p) for p in _pieces(raw)]
     assert b"".join(pieces) == raw
     assert all(p.endswith(b"\n") and len(p) >= size for p in pieces[:-1])
@@ -304,11 +309,11 @@ def test_maybe_bool_looks_only_at_rows_read_as_0_or_1():
 
 def test_console_piece_without_step_lines(monkeypatch):
     """A piece with only other output (start-up logs) is empty, not a reason to decline."""
-    import parity.readers
+    import parity.readers.verl_console
 
     text = b"loading\n" * 8 + b"step:1 - a:1\nstep:2 - a:2"
     whole = _console_fast(text)
-    monkeypatch.setattr(parity.readers, "_PIECE_BYTES", 4)
+    monkeypatch.setattr(parity.readers.verl_console, "_PIECE_BYTES", 4)
     pieces = _console_fast(text)
     assert whole is not None and pieces is not None and pieces[0].equals(whole[0])
     assert _console_fast(b"loading\n" * 8) is None  # no step line at all: the slow reader says
@@ -421,26 +426,10 @@ ERRORS = [
     (
         "m.jsonl",
         "verl-jsonl",
-        '{"step": 1, "data": {"a": 1}}\n{"step": 1, "data": {"a": 1}}\n',
-        r":2: duplicate step 1",
-    ),
-    (
-        "m.jsonl",
-        "verl-jsonl",
-        '{"step": 1, "data": {"a": "x"}}\n',
-        r":1: value of 'a' is not numeric",
+        '{"step": 1, "data": {"a": 1}}\n{"step": 1, "data": {"a": 2}}\n',
+        r":2: step 1: 'a' is 2\.0 here but 1\.0 at line 1",
     ),
     ("m.jsonl", "verl-jsonl", '{"step": 1, "data": {}, "t": 3}\n', r":1: unexpected key 't'"),
-    (
-        "c.log",
-        None,
-        "x\nstep:1 - a:1.0\nstep:2 - a:abc\n",
-        r":3: value of 'a' is not numeric: 'abc'",
-    ),
-    ("c.log", None, "step:1 - a:1.0 - oops\n", r":1: step 1: malformed metric 'oops'"),
-    ("c.log", None, "step:1 - a:1.0 - \n", r":1: step 1: malformed metric ''"),
-    ("c.log", None, "step:1 - a b:1.0\n", r":1: step 1: malformed metric"),
-    ("c.log", None, "step:1 - step:1.0\n", r":1: step 1: a metric may not be named 'step'"),
     ("m.csv", None, "step,a\n1,1.0\n2,x\n", r":3: value of 'a' is not numeric: 'x'"),
     ("m.csv", None, "step,a\n1,1.0\n1,1.0\n", r":3: duplicate step 1"),
     ("m.csv", None, "step,a\n1,1.0,3\n", r":2: expected 2 fields, got 3"),
@@ -459,7 +448,49 @@ def test_errors_name_file_and_line(tmp_path, name, fmt, text, pattern):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("fmt", [None, *FORMATS])
+SKIPPED_LINES = [
+    ("x\nstep:1 - a:1.0\nstep:2 - a:abc\n", 3, r"step 2: value of 'a' is not numeric: 'abc'"),
+    ("step:1 - a:1.0 - oops\nstep:2 - a:1.0\n", 1, r"step 1: malformed metric 'oops'"),
+    ("step:1 - a:1.0 - \nstep:2 - a:1.0\n", 1, r"step 1: malformed metric ''"),
+    ("step:1 - a b:1.0\nstep:2 - a:1.0\n", 1, r"step 1: malformed metric"),
+    ("step:1 - step:1.0\nstep:2 - a:1.0\n", 1, r"step 1: a metric may not be named 'step'"),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "pattern"), SKIPPED_LINES)
+def test_console_lines_that_do_not_parse_are_counted_and_refused(tmp_path, text, line, pattern):
+    """A step line that does not parse is skipped, counted with its line, and compare refuses
+    the side (no verdict from a partial read) unless skipped records are allowed."""
+    from parity.compare import compare_frames
+    from parity.readers import SkippedRecordsError
+
+    path = _write(tmp_path, "c.log", text)
+    frame = read_metrics(path)
+    assert frame.attrs["skipped"] == [
+        {"reason": "metric lines that do not parse", "count": 1, "where": [f"line {line}"]}
+    ]
+    assert any(re.search(pattern, n) for n in frame.attrs["notes"])
+    with pytest.raises(
+        SkippedRecordsError, match=rf"c\.log: .*1 records skipped.*line {line}"
+    ) as e:
+        compare_frames(frame, frame)
+    assert "\n" not in str(e.value) and "--allow-skipped" in str(e.value)
+    assert compare_frames(frame, frame, allow_skipped=True).ok
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("step:1 - a:1.0 - oops\n", r"c\.log:1: no metrics records .*malformed metric 'oops'"),
+        ("step:1 - step:1.0\n", r"c\.log:1: no metrics records .*may not be named 'step'"),
+    ],
+)
+def test_console_with_no_line_that_parses(tmp_path, text, pattern):
+    with pytest.raises(MetricsError, match=pattern):
+        read_metrics(_write(tmp_path, "c.log", text))
+
+
+@pytest.mark.parametrize("fmt", [None, *WRITABLE])
 def test_empty_file(tmp_path, fmt):
     path = _write(tmp_path, "m.jsonl", "\n\n")
     with pytest.raises(MetricsError, match=r"m\.jsonl: no metrics records"):
@@ -538,3 +569,53 @@ def test_write_is_atomic_and_keeps_nan_presence(tmp_path):
 def test_step_line_regex_needs_whitespace_before_step():
     assert _STEP_LINE.search("(pid=1) step:3 - a:1")[1] == "3"
     assert _STEP_LINE.search("global_step:3 - a:1") is None
+
+
+def test_verl_file_logger_values_as_orjson_writes_them(tmp_path):
+    """verl's FileLogger writes every value with orjson: null for NaN and +-inf, and strings or
+    lists beside the numbers; its console leaves non-numbers out, and so does the reader, saying
+    so (and bools count 1/0, as pformat prints them for the console)."""
+    path = _write(
+        tmp_path,
+        "v.jsonl",
+        '{"step":1,"data":{"a":0.5,"b":null,"c":"x","d":[1,2],"e":true}}\n',
+    )
+    f = read_metrics(path)
+    assert f.attrs["format"] == "verl-jsonl" and list(f.columns) == ["a", "b", "e"]
+    assert f.loc[1, "a"] == 0.5 and np.isnan(f.loc[1, "b"]) and f.loc[1, "e"] == 1.0
+    assert any("null values read as NaN" in n for n in f.attrs["notes"])
+    assert any("non-numeric values left out" in n for n in f.attrs["notes"])
+
+
+def test_every_reader_module_declares_its_formats():
+    import importlib
+
+    from parity.readers import _MODULES, REGISTRY
+
+    for name in _MODULES:
+        module = importlib.import_module(f"parity.readers.{name}")
+        assert module.FORMATS, f"parity.readers.{name} declares no FORMATS"
+        for fmt in module.FORMATS:
+            assert REGISTRY[fmt.name] is fmt and fmt.detected_by and fmt.precision
+
+
+def test_readme_lists_every_format():
+    """The README's table of formats names each reader, as it detects and its precision."""
+    from parity.readers import REGISTRY
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for fmt in REGISTRY.values():
+        assert f"| `{fmt.name}` | {fmt.detected_by} | {fmt.precision} |" in readme, fmt.name
+
+
+def test_verl_file_logger_train_and_val_records_of_one_step_merge(tmp_path):
+    """verl writes train and val metrics of a step as two records (seen in 0.6.1 and 0.7.0)."""
+    path = _write(
+        tmp_path,
+        "v.jsonl",
+        '{"step": 2, "data": {"train/loss": 4.5}}\n{"step": 2, "data": {"val/loss": 2.25}}\n'
+        '{"step": 2, "data": {"val/loss": 2.25}}\n',
+    )
+    f = read_metrics(path)
+    assert f.loc[2, "train/loss"] == 4.5 and f.loc[2, "val/loss"] == 2.25
+    assert f.attrs["notes"] == [] and f.attrs["skipped"] == []

@@ -1,0 +1,337 @@
+"""The frame contract every reader keeps, and the pieces readers build it from.
+
+The canonical frame: index "step" (int64, ascending, unique), one float64 column per metric
+(names sorted), values bit for bit what the source holds. Absent cells are NaN, so a logged NaN
+and an absent value look alike in the values; ``frame.attrs["present"]`` (a boolean frame of the
+same shape) says which cells the source really had, and ``present_mask`` reads it robustly.
+
+Other attrs, set by ``finish`` for every reader:
+- "source": the file or folder read; "format": the reader's name;
+- "complete": True/False where the format marks a finished run (our jsonl's end record), else
+  None;
+- "precision": {metric: "float64" | "float32" | "decimals:N"}, what the source can hold for that
+  metric. A float32 source is judged in float32 and a rounded one at its decimals (compare);
+- "skipped": [{"reason", "count", "where"}], the records the reader saw but could not use (a
+  line that looks like a metric record and does not parse, a record without a step). compare
+  refuses a side with skipped records unless told to allow them: no verdict from a partial read;
+- "notes": what the reader did that a user should know (a restarted run's repeated steps and the
+  rule that chose between them, a samples axis left out).
+
+Caveat: pandas compares attrs in ``pd.concat``, which fails on a frame-valued attr; clear
+``frame.attrs`` before concatenating read frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pandas as pd
+
+MAX_STEP = 2**63 - 1
+DUPLICATE_RULES = ("error", "first", "last")
+Duplicates = Literal["error", "first", "last"]
+FLOAT64, FLOAT32 = "float64", "float32"
+
+
+class MetricsError(ValueError):
+    """A metrics source that cannot be read exactly; the message names the file and the line or
+    record."""
+
+
+class IncompleteRunError(MetricsError):
+    """A run without its end record: killed or still running."""
+
+
+class SkippedRecordsError(MetricsError):
+    """A side whose reader skipped records: comparing it would judge from a partial read."""
+
+
+def fail(path: Path | str, where: int | str | None, msg: str) -> MetricsError:
+    """One-line error: `path:line: msg` (where is a line number or a text such as 'record 5')."""
+    if where is None or where == "":
+        return MetricsError(f"{path}: {msg}")
+    return MetricsError(f"{path}:{where}: {msg}")
+
+
+def bad_key(key: str) -> bool:
+    return not key or key == "step" or any(c.isspace() for c in key)
+
+
+def same(a: float, b: float) -> bool:
+    """Same bits, or both NaN."""
+    return a != a and b != b or np.float64(a).view(np.uint64) == np.float64(b).view(np.uint64)
+
+
+def decimals(n: int) -> str:
+    """The precision of a source that rounds to n decimals (Megatron's golden values: 5)."""
+    return f"decimals:{n}"
+
+
+def coarser(p: str, q: str) -> str:
+    """What both of two precisions hold: a pair is judged at it. Float widths and decimals are
+    independent limits (a float32 holds 0.0625 steps at a million, finer than 4 decimals near
+    1), so float32 against 4 decimals is "float32,decimals:4": both roundings apply."""
+    width = {FLOAT64: 0, FLOAT32: 1, "float16": 2}
+    floats = [x for x in (p, q) for x in x.split(",") if x in width]
+    places = [
+        int(x.split(":")[1]) for x in (p, q) for x in x.split(",") if x.startswith("decimals:")
+    ]
+    parts = []
+    if floats and max(width[f] for f in floats) > 0:
+        parts.append(max(floats, key=width.__getitem__))
+    if places:
+        parts.append(decimals(min(places)))
+    return ",".join(parts) or FLOAT64
+
+
+@dataclass
+class ReadLog:
+    """What a reader skipped and what it did that a user should know (see the module doc)."""
+
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # reason -> where
+    notes: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: int | str) -> None:
+        self.skipped.setdefault(reason, []).append(
+            f"line {where}" if isinstance(where, int) else str(where)
+        )
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def records(self) -> list[dict]:
+        return [{"reason": r, "count": len(w), "where": w[:5]} for r, w in self.skipped.items()]
+
+
+def skipped_count(frame: pd.DataFrame) -> int:
+    return sum(int(s["count"]) for s in frame.attrs.get("skipped") or [])
+
+
+def read_summary(frame: pd.DataFrame, side: str = "") -> str:
+    """'read N steps from SOURCE (k records skipped: why)', the line compare prints per side."""
+    source = frame.attrs.get("source", side or "?")
+    fmt = frame.attrs.get("format")
+    text = f"read {len(frame.index)} steps from {source}" + (f" [{fmt}]" if fmt else "")
+    skipped = frame.attrs.get("skipped") or []
+    if skipped:
+        why = "; ".join(
+            f"{s['count']} {s['reason']} ({', '.join(s['where'])}"
+            + (", ..." if s["count"] > len(s["where"]) else "")
+            + ")"
+            for s in skipped
+        )
+        text += f" ({skipped_count(frame)} records skipped: {why})"
+    return text
+
+
+# --- assembling cells into the canonical frame ------------------------------------------------
+
+
+def assemble(
+    group_steps: np.ndarray,
+    cell_group: np.ndarray,
+    cell_col: np.ndarray,
+    cell_val: np.ndarray,
+    names: Sequence[str],
+) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """(values, present) from cells; None when one (step, metric) got two different values."""
+    group_steps = np.asarray(group_steps, dtype=np.int64)
+    if len(group_steps) < 2 or (group_steps[1:] > group_steps[:-1]).all():
+        ustep, row = group_steps, np.asarray(cell_group, dtype=np.int64)  # the usual log
+    else:
+        ustep, inv = np.unique(group_steps, return_inverse=True)
+        row = inv[cell_group].astype(np.int64)
+    order = sorted(range(len(names)), key=lambda i: names[i])
+    rank = np.empty(len(names), dtype=np.intp)
+    rank[order] = np.arange(len(names))
+    ncols = len(names)
+    if ncols:
+        flat = row * ncols
+        flat += rank[cell_col]
+    else:
+        flat = cell_group
+    vals = np.full(len(ustep) * ncols, np.nan)
+    present = np.zeros(len(ustep) * ncols, dtype=bool)
+    vals[flat] = cell_val
+    present[flat] = True
+    if int(present.sum()) != len(flat):  # some cell given twice: every copy must agree
+        kept = vals[flat]
+        agree = (kept.view(np.uint64) == cell_val.view(np.uint64)) | (
+            np.isnan(kept) & np.isnan(cell_val)
+        )
+        if not agree.all():
+            return None
+    index = pd.Index(ustep, dtype=np.int64, name="step")
+    columns = pd.Index([names[i] for i in order])
+    shape = (len(ustep), ncols)
+    return (
+        pd.DataFrame(vals.reshape(shape), index=index, columns=columns, copy=False),
+        pd.DataFrame(present.reshape(shape), index=index, columns=columns, copy=False),
+    )
+
+
+class Cells:
+    """Cells collected record by record: each record (a line, an event, a row) is a group with
+    its step and where it came from, for errors that name it.
+
+    ``frames(rule)`` builds the canonical frame. A (step, metric) given twice with other bits is
+    a restarted or appended run: "error" names it, "first"/"last" keep one copy and say so in
+    the log's notes. Copies with the same bits are one value.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.where: list[int | str] = []
+        self.group: list[int] = []
+        self.col: list[int] = []
+        self.val: list[float] = []
+        self.names: dict[str, int] = {}
+        self.precision: dict[str, str] = {}
+
+    def record(self, step: int, where: int | str) -> int:
+        """Start a record; returns its group number for ``add``."""
+        self.steps.append(step)
+        self.where.append(where)
+        return len(self.steps) - 1
+
+    def add(self, group: int, key: str, value: float, precision: str | None = None) -> None:
+        self.group.append(group)
+        self.col.append(self.names.setdefault(key, len(self.names)))
+        self.val.append(value)
+        if precision is not None:
+            self.precision[key] = coarser(self.precision.get(key, FLOAT64), precision)
+
+    def frames(
+        self, path: Path | str, rule: Duplicates = "error", log: ReadLog | None = None
+    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+        group = np.array(self.group, dtype=np.intp)
+        col = np.array(self.col, dtype=np.intp)
+        val = np.array(self.val, dtype=np.float64)
+        names = list(self.names)
+        steps = np.array(self.steps, dtype=np.int64)
+        out = assemble(steps, group, col, val, names)
+        if out is not None:
+            return out
+        keep = self._resolve(path, rule, log, steps, group, col, val, names)
+        return assemble(steps, group[keep], col[keep], val[keep], names)  # type: ignore[return-value]
+
+    def _resolve(self, path, rule, log, steps, group, col, val, names) -> np.ndarray:
+        """Which cells to keep when some (step, metric) has copies with other bits."""
+        cell_step = steps[group]
+        order = np.lexsort((np.arange(len(group)), col, cell_step))  # by step, metric, order
+        s, c, v = cell_step[order], col[order], val[order]
+        starts = np.ones(len(order), dtype=bool)
+        starts[1:] = (s[1:] != s[:-1]) | (c[1:] != c[:-1])
+        run = np.cumsum(starts) - 1
+        head = v[np.flatnonzero(starts)][run]  # each cell's first copy
+        differs = (v.view(np.uint64) != head.view(np.uint64)) & ~(np.isnan(v) & np.isnan(head))
+        if rule == "error":
+            second = int(order[np.argmax(differs)])
+            first = int(order[np.flatnonzero(starts)[run[np.argmax(differs)]]])
+            g1, g2 = int(group[first]), int(group[second])
+            raise fail(
+                path,
+                self.where[g2],
+                f"step {int(steps[g2])}: {names[int(col[second])]!r} is {float(val[second])!r} "
+                f"here but {float(val[first])!r} at {_where(self.where[g1])}: logged twice (a "
+                "restarted or appended run?); choose a rule: --duplicates first|last",
+            )
+        conflicted = np.isin(run, np.unique(run[differs]))
+        ends = np.ones(len(order), dtype=bool)
+        ends[:-1] = starts[1:]
+        chosen = starts if rule == "first" else ends
+        keep = np.zeros(len(group), dtype=bool)
+        keep[order[~conflicted | chosen]] = True
+        if log is not None:
+            hit = np.unique(s[conflicted]).tolist()
+            log.note(
+                f"{len(hit)} steps logged more than once with other values (steps "
+                f"{_span(hit)}): kept the {rule} (--duplicates {rule})"
+            )
+        return keep
+
+
+def _where(w: int | str) -> str:
+    return f"line {w}" if isinstance(w, int) else str(w)
+
+
+def _span(steps: list[int], limit: int = 6) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
+
+
+def finish(
+    values: pd.DataFrame,
+    present: pd.DataFrame,
+    *,
+    source: Path | str,
+    fmt: str,
+    precision: dict[str, str] | str = FLOAT64,
+    log: ReadLog | None = None,
+    complete: bool | None = None,
+) -> pd.DataFrame:
+    """The read frame with the contract's attrs (see the module doc)."""
+    if isinstance(precision, str):
+        precision = {str(c): precision for c in values.columns}
+    else:
+        precision = {str(c): precision.get(str(c), FLOAT64) for c in values.columns}
+    log = log or ReadLog()
+    values.attrs.update(
+        source=str(source),
+        format=fmt,
+        complete=complete,
+        present=present,
+        precision=precision,
+        skipped=log.records(),
+        notes=list(log.notes),
+    )
+    return values
+
+
+def present_mask(frame: pd.DataFrame) -> pd.DataFrame:
+    """Which cells the source had: attrs["present"] aligned to the frame, or'ed with notna.
+
+    Robust to slicing and to values set after reading (a non-NaN value is always present).
+    """
+    present = frame.notna()
+    mask = frame.attrs.get("present")
+    if isinstance(mask, pd.DataFrame) and mask.index.is_unique and mask.columns.is_unique:
+        aligned = mask.reindex(index=frame.index, columns=frame.columns, fill_value=False)
+        present = present | aligned.astype(bool)
+    return present
+
+
+# --- what a format module declares --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """What the user chose: one run of a folder holding several (--run), and the rule for a
+    (step, metric) logged twice with other bits (--duplicates)."""
+
+    run: str | None = None
+    duplicates: Duplicates = "error"
+
+
+@dataclass(frozen=True)
+class Format:
+    """A format: its name (--format), how it claims a path, how it reads it, and the README's
+    words for both.
+
+    ``claims(path, head)``: head is the file's first bytes (``HEAD_BYTES``), None for a folder.
+    ``read(path, options)`` returns the frame built by ``finish``.
+    """
+
+    name: str
+    read: Callable[[Path, ReadOptions], pd.DataFrame]
+    claims: Callable[[Path, bytes | None], bool]
+    detected_by: str
+    precision: str
+
+
+HEAD_BYTES = 1 << 20

@@ -1,0 +1,186 @@
+"""Our run folder's metrics.jsonl, and verl's file logger (`{"step": N, "data": {...}}` lines).
+
+Both hold exact float64 (JSON numbers as Python's repr or orjson write them). Ours ends a
+complete run with `{"event": "end", "steps": N}`; a run without it is incomplete. verl's
+FileLogger (verl/utils/tracking.py) writes every value of the step: numbers, but also strings or
+lists (left out, as its console logger leaves them out); 0.6 and 0.7 with json.dumps (`NaN`,
+`Infinity`), 0.9 with orjson, which writes NaN and +-inf all as null (read as NaN, noted). It
+writes a step's train and val metrics as two records of the same step: they merge, and only a
+metric given twice with other bits is a conflict (a restarted run).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from parity.readers.frame import (
+    FLOAT64,
+    MAX_STEP,
+    Cells,
+    Format,
+    ReadLog,
+    ReadOptions,
+    fail,
+    finish,
+)
+from parity.readers.text import decode, read_bytes
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+def number(path: Path, where: int | str, key: str, value: Any) -> float:
+    """A JSON number as float64; anything else (a bool, a string) names the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(path, where, f"value of {key!r} is not numeric: {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise fail(path, where, f"value of {key!r} does not fit a float64: {value}") from None
+
+
+def step_of(path: Path, where: int | str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        raise fail(path, where, f"step must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _read_json_lines(
+    text: str, path: Path, fmt: str, rule: str = "error", log: ReadLog | None = None
+) -> tuple[Cells, bool | None]:
+    cells = Cells()
+    log = log if log is not None else ReadLog()
+    first_line: dict[int, int] = {}
+    end_line: int | None = None
+    lines = text.split("\n")
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if end_line is not None:
+            raise fail(path, lineno, f"record after the end record of line {end_line}")
+        try:
+            rec = json.loads(line, object_pairs_hook=_pairs)
+        except _DuplicateKey as e:
+            raise fail(path, lineno, f"key {e.args[0]!r} given twice") from None
+        except ValueError as e:
+            if lineno == len(lines):  # no newline after it: the writer was cut off
+                raise fail(
+                    path, lineno, "last line is not valid JSON: file is truncated (run incomplete)"
+                ) from None
+            raise fail(path, lineno, f"not valid JSON: {e}") from None
+        if not isinstance(rec, dict):
+            raise fail(path, lineno, f"record is not a JSON object: {line[:60]!r}")
+        if fmt == "jsonl" and "event" in rec:
+            if rec["event"] != "end" or set(rec) - {"event", "steps", "_meta"}:
+                raise fail(path, lineno, f"unknown event record: {line[:80]!r}")
+            step_of(path, lineno, rec.get("steps"))
+            end_line = lineno
+            continue
+        if "step" not in rec:
+            raise fail(path, lineno, "record has no 'step'")
+        step = step_of(path, lineno, rec["step"])
+        # verl writes a step's train and val metrics as two records: a cell given twice with
+        # other bits is the conflict (Cells), not the step; our jsonl has one record a step
+        if step in first_line and rule == "error" and fmt == "jsonl":
+            raise fail(
+                path,
+                lineno,
+                f"duplicate step {step} (first at line {first_line[step]}): a restarted or "
+                "appended run? choose a rule: --duplicates first|last",
+            )
+        first_line.setdefault(step, lineno)
+        if fmt == "jsonl":
+            metrics = {k: v for k, v in rec.items() if k not in ("step", "_meta")}
+        else:
+            extra = set(rec) - {"step", "data"}
+            if extra:
+                raise fail(path, lineno, f"unexpected key {sorted(extra)[0]!r} beside step/data")
+            metrics = rec.get("data")
+            if not isinstance(metrics, dict):
+                raise fail(path, lineno, "'data' is not a JSON object")
+        group = cells.record(step, lineno)
+        for key, value in metrics.items():
+            if fmt == "verl-jsonl" and value is None:
+                log.note(_NULL_NOTE)
+                value = float("nan")
+            elif fmt == "verl-jsonl" and isinstance(value, (str, list, dict)):
+                log.note(f"non-numeric values left out, as verl's console does (first: {key!r})")
+                continue
+            elif fmt == "verl-jsonl" and isinstance(value, bool):
+                value = float(value)  # the console prints it True/False, read as 1/0
+            cells.add(group, key, number(path, lineno, key, value))
+    return cells, (end_line is not None) if fmt == "jsonl" else None
+
+
+# verl's FileLogger writes with orjson, which writes NaN, inf and -inf all as null
+_NULL_NOTE = "null values read as NaN: verl's file logger (orjson) writes NaN and +-inf as null"
+
+
+def _reader(fmt: str):
+    def read(path: Path, options: ReadOptions):
+        file = path / "metrics.jsonl" if path.is_dir() else path
+        text = decode(read_bytes(file), file)
+        log = ReadLog()
+        cells, complete = _read_json_lines(text, file, fmt, options.duplicates, log)
+        if not cells.steps:
+            raise fail(file, None, "no metrics records")
+        values, present = cells.frames(file, options.duplicates, log)
+        return finish(
+            values, present, source=file, fmt=fmt, precision=FLOAT64, log=log, complete=complete
+        )
+
+    return read
+
+
+def _first_record(head: bytes) -> Any:
+    first = head.lstrip().split(b"\n", 1)[0]
+    try:
+        return json.loads(first)
+    except ValueError:
+        return None
+
+
+def _claims_ours(path: Path, head: bytes | None) -> bool:
+    if head is None:
+        return (path / "metrics.jsonl").is_file()
+    rec = _first_record(head)
+    if isinstance(rec, dict):
+        return not isinstance(rec.get("data"), dict)
+    return path.suffix.lower() == ".jsonl"  # its reader names the bad line
+
+
+def _claims_verl(path: Path, head: bytes | None) -> bool:
+    rec = _first_record(head) if head is not None else None
+    return isinstance(rec, dict) and isinstance(rec.get("data"), dict)
+
+
+FORMATS = [
+    Format(
+        "verl-jsonl",
+        _reader("verl-jsonl"),
+        _claims_verl,
+        "JSON lines whose first record has a `data` object (verl's file logger)",
+        FLOAT64,
+    ),
+    Format(
+        "jsonl",
+        _reader("jsonl"),
+        _claims_ours,
+        "a run folder with `metrics.jsonl`, or JSON lines with `step` and the metrics",
+        FLOAT64,
+    ),
+]
