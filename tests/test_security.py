@@ -25,7 +25,7 @@ from parity.spec import JobSpec
 from worker.safe_checkpoint import SafeFileSystemReader
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("worker", "parity", "benchmarks", "tests", "ci")
+SCANNED = ("worker", "parity", "subjects", "benchmarks", "tests", "ci")
 # the only module allowed to subclass pickle.Unpickler: it is the allow-list
 UNPICKLER_HOME = ROOT / "worker" / "safe_checkpoint.py"
 

@@ -1,0 +1,1 @@
+"""Third-party training stacks run as parity subjects, each in its own cached environment."""

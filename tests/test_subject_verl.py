@@ -1,0 +1,387 @@
+"""verl's own before/after as a parity pair: ``verl.trainer.sft_trainer`` of 0.6.1 against 0.7.0.
+
+Side A is verl 0.6.1 (the engine-driven SFT trainer, old validation loss), side B verl 0.7.0 (the
+same file rebuilt on ``TrainingWorker``, fixed validation loss), each from its own cached
+environment (``subjects.envs``), on 2 gloo ranks in fp32 through the CPU shim, with the charcount
+fixtures and the tiny Qwen2 (``subjects.verl.run_sft``). What the pair shows, asserted below:
+
+- train/loss, train/grad_norm, train/lr: bitwise equal at every step, and so are the weights
+  saved at every validation step.
+- val/loss: diverges at the first validation step exactly as the two formulas say. A equals the
+  old formula (every micro-batch loss in one list, averaged: sum_b L_b / sum_b M_b) and B the
+  new one (mean_b L_b), each checked against a float64 oracle computed from the saved weights
+  and verl's own tokenization; so B / A is the number of micro-batches per val batch (2 here).
+  With one val micro-batch per rank the two are bitwise equal. The fixed formula is still not
+  the token-weighted mean of the val set when there are several val batches (3 here).
+- train/global_tokens and train/total_tokens(B): A's are the true counts (the oracle's); B's are
+  0.0 at every step, a regression of 0.7.0: it wraps the sequence lengths in tensordict's
+  ``NonTensorData`` and then sums ``torch.tensor(...)`` of that, which is an empty tensor.
+- the CPU shim: each patch is needed (what verl does without it) and in force with it.
+
+Every test that needs an environment skips, with pip's own reason, where the package index
+cannot be reached to build it (``subjects.envs.EnvUnavailable``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from parity.compare import compare_frames
+from parity.readers import read_metrics
+from subjects import envs
+from subjects import verl as subject
+
+REPO = Path(__file__).resolve().parents[1]
+A, B = subject.BEFORE, subject.AFTER
+STEPS, TEST_FREQ = 6, 2
+VAL_STEPS = (2, 4, 6)
+# fp32 run against the float64 oracle at the same weights: measured up to 6.3e-8 relative
+ORACLE_RTOL = 1e-6
+TRAIN = ("train/loss", "train/grad_norm", "train/lr")
+TOKENS = ("train/global_tokens", "train/total_tokens(B)")
+
+
+def _env_python(version: str) -> Path:
+    try:
+        return subject.env(version)
+    except envs.EnvUnavailable as e:
+        pytest.skip(f"verl {version} environment cannot be built here: {e}")
+
+
+def _verl_env() -> dict[str, str]:
+    return {
+        **{k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"},
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _run(version: str, out: Path, *args: str) -> Path:
+    python = _env_python(version)
+    cmd = [sys.executable, "-m", "subjects.verl.run_sft", "--verl", version, "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--python", str(python), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if proc.returncode != 0:
+        record = out / "run.json"
+        if record.exists() and json.loads(record.read_text())["finished"]:
+            # every metric is written; verl's bare destroy_process_group() at exit can abort a
+            # rank (the teardown crash the harness reports as such): the numbers still count
+            print(f"verl {version}: teardown failure after training (exit {proc.returncode})")
+            return out
+        log = out / "console.log"
+        tail = log.read_text(errors="replace")[-4000:] if log.exists() else proc.stderr[-4000:]
+        pytest.fail(f"verl {version} run exited {proc.returncode}:\n{tail}", pytrace=False)
+    return out
+
+
+def _oracle(version: str, run: Path) -> dict:
+    out = run / "oracle.json"
+    env = {**_verl_env(), "VERL_USE_EXTERNAL_MODULES": "subjects.verl.cpu_shim"}
+    proc = subprocess.run(
+        [str(_env_python(version)), "-m", "subjects.verl.oracle", str(run), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    """The main pair: 6 steps, val at 2, 4 and 6 with 2 micro-batches per val batch, weights
+    saved at each val step; the oracle computed once (from A's weights, which B's equal)."""
+    for version in subject.VERSIONS:
+        _env_python(version)  # build (or find) both before running either
+    root = tmp_path_factory.mktemp("verl-pair")
+    args = ("--steps", str(STEPS), "--test-freq", str(TEST_FREQ), "--oracle-checkpoints")
+    runs = {v: _run(v, root / v, *args) for v in subject.VERSIONS}
+    frames = {v: read_metrics(runs[v] / "console.log") for v in subject.VERSIONS}
+    for v in subject.VERSIONS:
+        record = json.loads((runs[v] / "run.json").read_text())
+        print(f"verl {v}: run {record['wall_s']} s")
+    return {"runs": runs, "frames": frames, "oracle": _oracle(A, runs[A])}
+
+
+@pytest.fixture(scope="module")
+def single_pair(tmp_path_factory) -> dict:
+    """A cheaper pair with one micro-batch per (val and train) batch on each rank: a 4096-token
+    budget, 2 steps, val at both."""
+    root = tmp_path_factory.mktemp("verl-single")
+    args = ("--steps", "2", "--test-freq", "1", "--max-tokens-per-rank", "4096")
+    return {v: read_metrics(_run(v, root / v, *args) / "console.log") for v in subject.VERSIONS}
+
+
+def _result(comparison, name):
+    return comparison.metrics[name]
+
+
+@pytest.mark.parity
+def test_train_metrics_and_weights_bitwise_equal(pair):
+    a, b = pair["frames"][A], pair["frames"][B]
+    comparison = compare_frames(
+        a,
+        b,
+        {"val/loss": "ignore", "train/global_tokens": "ignore", "train/total_tokens(B)": "ignore"},
+    )
+    for name in TRAIN:
+        r = _result(comparison, name)
+        assert (r.status, r.steps_compared, r.exact_matches) == ("match", STEPS, STEPS), r
+    assert comparison.verdict == "aligned", comparison.table()
+    assert _result(comparison, "train/mfu").status == "ignored"
+    # the weights each side validated with, bit for bit
+    import torch
+
+    for step in VAL_STEPS:
+        for rank in range(2):
+            name = f"global_step_{step}/model_world_size_2_rank_{rank}.pt"
+            sa, sb = (_shard(pair["runs"][v] / "ckpt" / name) for v in (A, B))
+            assert sa.keys() == sb.keys()
+            for key in sa:
+                ta, tb = sa[key].to_local(), sb[key].to_local()
+                assert ta.view(torch.int32).equal(tb.view(torch.int32)), (step, rank, key)
+
+
+def _shard(path: Path) -> dict:
+    """One rank's FSDP2 model shard (DTensors), loaded with weights_only=True."""
+    import torch
+    import torch.distributed.tensor  # noqa: F401 - lets weights_only loading accept DTensors
+
+    # unpickling a DeviceMesh without a process group warns once per tensor; nothing is wrong
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
+    try:
+        return torch.load(path, weights_only=True)
+    finally:
+        mesh_log.setLevel(level)
+
+
+@pytest.mark.parity
+def test_val_loss_diverges_as_the_formulas_say(pair):
+    a, b = pair["frames"][A], pair["frames"][B]
+    r = _result(compare_frames(a, b, {"train/*": "ignore"}), "val/loss")
+    assert (r.status, r.first_divergent_step, r.steps_compared) == ("diverged", VAL_STEPS[0], 3)
+    for step in VAL_STEPS:
+        oracle = pair["oracle"]["val"][str(step)]
+        got_a, got_b = float(a.loc[step, "val/loss"]), float(b.loc[step, "val/loss"])
+        err_a = abs(got_a - oracle["old"]) / oracle["old"]
+        err_b = abs(got_b - oracle["new"]) / oracle["new"]
+        print(
+            f"step {step}: A {got_a!r} old {oracle['old']!r} ({err_a:.1e}); "
+            f"B {got_b!r} new {oracle['new']!r} ({err_b:.1e})"
+        )
+        assert err_a < ORACLE_RTOL and err_b < ORACLE_RTOL
+        # two micro-batches in every val batch on every rank: the old value is half the new
+        assert oracle["micro_batches"] == [2, 2, 2]
+        assert math.isclose(got_b / got_a, 2.0, rel_tol=2 * ORACLE_RTOL)
+        # the fixed value is the mean of 3 batch means, not the val set's token-weighted mean
+        weighted = oracle["token_weighted"]
+        assert abs(oracle["new"] - weighted) / weighted > 100 * ORACLE_RTOL
+
+
+@pytest.mark.parity
+def test_token_counters_of_0_7_0_are_zero(pair):
+    a, b = pair["frames"][A], pair["frames"][B]
+    expected = np.array(pair["oracle"]["global_tokens"], dtype=np.float64)
+    assert np.array_equal(a["train/global_tokens"].to_numpy(), expected)
+    assert a["train/total_tokens(B)"].tolist() == [t / 1e9 for t in np.cumsum(expected).tolist()]
+    assert (b[list(TOKENS)].to_numpy() == 0.0).all()
+    comparison = compare_frames(a, b, {"train/*": "exact", "val/loss": "ignore"})
+    for name in TOKENS:
+        r = _result(comparison, name)
+        assert (r.status, r.first_divergent_step, r.divergent_steps) == ("diverged", 1, STEPS)
+
+
+@pytest.mark.parity
+def test_file_logger_matches_console(pair):
+    """verl's FileLogger JSONL holds the same numbers as the console. It writes the train and
+    the val metrics of one step as two records, which the reader calls duplicate steps unless
+    told to merge them (duplicates="first": no (step, metric) is written twice)."""
+    for version, run in pair["runs"].items():
+        jsonl = read_metrics(run / "verl_file_logger.jsonl", duplicates="first")
+        comparison = compare_frames(jsonl, pair["frames"][version])
+        assert comparison.verdict == "aligned", (version, comparison.table())
+
+
+@pytest.mark.parity
+def test_one_val_micro_batch_aligns(single_pair):
+    a, b = single_pair[A], single_pair[B]
+    comparison = compare_frames(
+        a, b, {"train/global_tokens": "ignore", "train/total_tokens(B)": "ignore"}
+    )
+    assert comparison.verdict == "aligned", comparison.table()
+    r = _result(comparison, "val/loss")
+    assert (r.status, r.steps_compared, r.exact_matches) == ("match", 2, 2)
+
+
+@pytest.mark.parity
+def test_shim_lines_in_the_logs(pair):
+    """Every patch was applied in the real runs, the engine one on import of the engine (the
+    deferred path of ``after_import``), after the shim's own import."""
+    for version, run in pair["runs"].items():
+        log = (run / "console.log").read_text(errors="replace")
+        lines = [ln for ln in log.splitlines() if ln.startswith("[subjects.verl.cpu_shim]")]
+        kinds = [ln.split("] ", 1)[1].split(":", 1)[0] for ln in lines]
+        expected = ["backend", "memory", "autocast"] + (["vision"] if version == B else [])
+        assert kinds == [*expected, "engine"], (version, lines)
+
+
+_SHIM_CHECK = r"""
+import json, sys, torch
+import verl                       # VERL_USE_EXTERNAL_MODULES unset: verl as it is
+import verl.utils.distributed     # binds get_nccl_backend before the shim exists
+from verl.utils import device
+
+def autocast_dtype():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return str((torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
+
+def vision():
+    try:
+        import verl.utils.dataset.multiturn_sft_dataset  # noqa: F401
+        return "ok"
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+
+out = {"version": verl.__version__, "before": {
+    "backend": device.get_nccl_backend(),
+    "memory": hasattr(torch.cpu, "memory_allocated"),
+    "autocast": autocast_dtype(),
+    "vision": vision(),
+}}
+from subjects.verl import cpu_shim   # as verl's hook would; the engine is not imported yet
+from verl.workers.engine import EngineRegistry
+try:
+    EngineRegistry.get_engine_cls.__wrapped__(EngineRegistry, "language_model", "fsdp2")
+    original = "found"
+except AssertionError as e:
+    original = str(e)
+free, total = torch.cpu.mem_get_info()
+out["engine_without_patch"] = original
+out["after"] = {
+    "backend": device.get_nccl_backend(),
+    "backend_bound_before": verl.utils.distributed.get_nccl_backend(),
+    "memory": [torch.cpu.memory_allocated(), torch.cpu.max_memory_reserved(), 0 < free <= total],
+    "autocast": autocast_dtype(),
+    "vision": vision(),
+    "engine": EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__,
+}
+out["applied"] = [a.split(":", 1)[0] for a in cpu_shim.applied()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("version", subject.VERSIONS)
+def test_cpu_shim_patches(version):
+    proc = subprocess.run(
+        [str(_env_python(version)), "-c", _SHIM_CHECK],
+        cwd=REPO,
+        env=_verl_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == version
+    assert out["before"]["backend"] == "nccl"
+    assert out["before"]["memory"] is False
+    assert out["before"]["autocast"] == "torch.bfloat16"
+    assert out["engine_without_patch"].startswith("Unknown device: cpu")
+    assert out["after"] == {
+        "backend": "gloo",
+        "backend_bound_before": "gloo",
+        "memory": [0, 0, True],
+        "autocast": "torch.float32",
+        "vision": "ok",
+        "engine": "FSDPEngineWithLMHead",
+    }
+    if version == B:
+        assert "No module named 'qwen_vl_utils'" in out["before"]["vision"]
+        assert out["applied"] == ["backend", "memory", "autocast", "vision", "engine"]
+    else:
+        assert out["before"]["vision"] == "ok"
+        assert out["applied"] == ["backend", "memory", "autocast", "engine"]
+
+
+# -- subjects.envs: fast, no package index needed --------------------------------------------
+
+
+def test_env_key_covers_what_decides_the_contents():
+    base = envs.EnvSpec("x", requirements=("a==1",), no_deps=("b==2",))
+    assert base.key() == envs.EnvSpec("x", requirements=("a==1",), no_deps=("b==2",)).key()
+    others = [
+        envs.EnvSpec("x", requirements=("a==2",), no_deps=("b==2",)),
+        envs.EnvSpec("x", requirements=("a==1",), no_deps=("b==3",)),
+        envs.EnvSpec("x", requirements=("a==1",), no_deps=("b==2",), constraints=()),
+    ]
+    assert len({base.key(), *(o.key() for o in others)}) == 4
+    assert base.folder_name() == f"x-{base.key()}"
+    assert subject.spec(A).key() != subject.spec(B).key()
+    assert envs.TORCH in subject.spec(A).constraints
+
+
+def _offline_pip(monkeypatch, index: str) -> None:
+    """pip sees only `index`: no config files (the machine's find-links and extra indexes)."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "5")
+    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_env_unreachable_index_is_unavailable(tmp_path, monkeypatch):
+    _offline_pip(monkeypatch, "http://127.0.0.1:9/simple")  # nothing listens on port 9
+    spec = envs.EnvSpec("probe", requirements=("codetiming==1.4.0",))
+    with pytest.raises(envs.EnvUnavailable, match="cannot reach the package index"):
+        envs.ensure(spec, tmp_path)
+    assert _leftovers(tmp_path) == []  # the half-built venv is gone, no target appeared
+
+
+def test_env_other_pip_failure_is_a_build_error(tmp_path, monkeypatch):
+    empty = tmp_path / "index"
+    empty.mkdir()
+    _offline_pip(monkeypatch, empty.as_uri())
+    with pytest.raises(envs.EnvBuildError, match="No matching distribution"):
+        envs.ensure(envs.EnvSpec("probe", requirements=("codetiming==1.4.0",)), tmp_path / "e")
+    assert _leftovers(tmp_path / "e") == []
+
+
+def test_env_built_once_then_reused(tmp_path, monkeypatch):
+    spec = envs.EnvSpec("bare")  # no packages: a venv, its manifest, the rename
+    python = envs.ensure(spec, tmp_path)
+    assert python == tmp_path / spec.folder_name() / "bin" / "python" and python.exists()
+    manifest = json.loads((python.parents[1] / envs.MANIFEST).read_text())
+    assert manifest["key"] == spec.key() and manifest["spec"]["name"] == "bare"
+    assert _leftovers(tmp_path) == [spec.folder_name()]
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("rebuilt a cached environment")
+
+    monkeypatch.setattr(envs, "_build", no_rebuild)
+    assert envs.ensure(spec, tmp_path) == python
+    assert envs.find(spec, tmp_path) == python
+    assert envs.find(envs.EnvSpec("other"), tmp_path) is None
