@@ -44,10 +44,6 @@ __all__ = [
     "worktree",
 ]
 
-# what a previous run left in a reused run folder and must not be read as this run's output
-_JOB_FILES = ("metrics.jsonl", "manifest.json", "console.log", "launcher.log")
-
-
 class RevisionError(ValueError):
     """A git command that failed (not a repo, unknown revision); the message is one line."""
 
@@ -148,9 +144,9 @@ def run_in_tree(
     is returned, not ok and with its reason, for the caller to compare and report.
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in _JOB_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+    if run_dir.exists():  # a reused run folder: nothing a previous run left (in any format the
+        shutil.rmtree(run_dir)  # readers detect, e.g. trainer_state.json) is read as this run's
+    run_dir.mkdir(parents=True)
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
     since = time.time()
     kwargs: dict[str, Any] = dict(

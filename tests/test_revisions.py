@@ -233,3 +233,24 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
     verdict = "aligned" if allowed else "failed"
     line = f"{crashed}: teardown-crash (rank 1: killed by SIGABRT); metrics compared anyway"
     assert f"verdict {verdict}: teardown failure after complete metrics: {line}: aligned" in md
+
+
+def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, monkeypatch):
+    """A run folder is read with format detection, so a file an earlier run left in it (an HF
+    job's trainer_state.json, say) must not be read as this run's output: the folder starts
+    empty. No real launch: the fake launcher writes nothing."""
+    from parity.spec import JobSpec
+
+    run_dir = tmp_path / "base"
+    run_dir.mkdir()
+    (run_dir / "trainer_state.json").write_text('{"log_history": [{"loss": 1.0, "step": 1}]}')
+    seen: list[list[str]] = []
+
+    def fake_launch(args, *, cwd, run_dir, **kwargs):
+        seen.append(sorted(p.name for p in Path(run_dir).iterdir()))
+        return LaunchResult(returncode=0, timed_out=False, duration_s=0.0, run_dir=run_dir)
+
+    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    spec = JobSpec(task="custom", command=["job.py", "--out", "{out}"], world_size=1)
+    parity.revisions.run_in_tree(spec, repo, run_dir)
+    assert seen == [[]]
