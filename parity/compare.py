@@ -59,17 +59,21 @@ _NOISE = (
     "samples_per_second",
     "steps_per_second",
     "per_second",
+    "_per_sec",  # Lightning's ThroughputMonitor: samples_per_sec, batches_per_sec, items_per_sec
     "samples/s",
     "it/s",
     "tflops",
     "flops",
     "memory",
+    "allocated_bytes",  # Lightning's DeviceStatsMonitor
+    "reserved_bytes",
     "mem-",
     "mem_",
     "/mem",
     "perf/",
 )
 _NOISE_EXACT = ("tps", "wps", "mfu")  # whole names only ("outputs" holds "tps")
+_RATE = ("/s", "per_s", "_s/", "time", "tps", "wps")
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
 
 
@@ -284,7 +288,8 @@ def default_policy(metric: str) -> Policy:
     name = metric.lower()
     leaf = name.rsplit("/", 1)[-1]
     noisy = any(t in name for t in _NOISE) or leaf in _NOISE_EXACT
-    return Policy("ignore") if noisy else Policy("exact")
+    counter = "tokens" in leaf and not any(r in name for r in _RATE)  # perf/total_num_tokens
+    return Policy("ignore") if noisy and not counter else Policy("exact")
 
 
 def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
