@@ -1,6 +1,7 @@
 """Diagnosis beyond the verdict: *why* two runs part, and which rank breaks ranks within one run.
 
-It reads only the files a job writes next to metrics.jsonl (worker/metrics_log.py JobLog):
+It reads only the files a job writes next to metrics.jsonl through the recorder
+(``parity.record``: our jobs' JobLog, any training loop, HF's Trainer through its callback):
 
 - ``ranks/rank{r}.jsonl``: every rank's own post-reduction metrics (metrics.jsonl format) and,
   in ``_meta.data``, a digest of the micro-batches it trained on (``train``) and evaluated

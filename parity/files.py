@@ -1,26 +1,18 @@
-"""Atomic writes: a temp file in the same folder, then a rename. Nothing is ever written half."""
+"""Atomic writes: a temp file in the same folder, then a rename. Nothing is ever written half.
+
+The one implementation is the recorder's (`parity.record.files`), the bottom layer; reports,
+summaries and goldens refuse NaN here, where a run's own records spell it as Python does.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from parity.record.files import write_text_atomic
 
-def write_text_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are meant to be read by others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = ["write_json_atomic", "write_text_atomic"]
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parity.readers import MetricsError, detect, read_metrics, skipped_count
-from parity.readers.hf import metric_name
+from parity.record.names import hf_metric_name as metric_name
 
 FMT = "hf-trainer-state"
 SETTINGS = settings(

@@ -3,109 +3,19 @@
 The engine feeds every micro-batch it runs through a `DataDigest` (training apart from
 evaluation, or, in PPO, from the rollout's scoring forwards; PPO also digests each step's prompts)
 and, at chosen steps, hashes every full parameter and gradient. The job writes them next to
-metrics.jsonl (ranks/rank{r}.jsonl, fingerprints.jsonl); `parity.diagnose` reads the files.
-Hashes are short blake2b hex digests of the raw bytes, so they are equal exactly when the bits are.
+metrics.jsonl (ranks/rank{r}.jsonl, fingerprints.jsonl) through the recorder; `parity.diagnose`
+reads the files. The code is the recorder's (`parity.record.digest`), which any training loop
+uses: one way to hash a run.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable
+from parity.record.digest import (
+    DIGEST_SIZE,
+    DataDigest,
+    model_fingerprint,
+    parse_steps,
+    tensor_hash,
+)
 
-import torch
-
-DIGEST_SIZE = 8  # 16 hex characters: plenty to tell two batches or tensors apart
-
-
-def _update(h, t: torch.Tensor | None) -> None:
-    """Shape, dtype and bytes of one tensor (None hashes as a marker, not as nothing)."""
-    if t is None:
-        h.update(b"none;")
-        return
-    t = t.detach()
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    t = t.cpu().contiguous()
-    h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def tensor_hash(t: torch.Tensor | None) -> str | None:
-    """Hex digest of one tensor's shape, dtype and bytes (a DTensor is gathered first)."""
-    if t is None:
-        return None
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    _update(h, t)
-    return h.hexdigest()
-
-
-class DataDigest:
-    """What one rank ran since the last take(), per kind: a running hash of the token ids,
-    labels, positions and loss masks of each micro-batch (or of each prompt), plus counts to
-    quote. Kinds: "train" and "val" (SFT); "prompts", "rollout" and "train" (PPO)."""
-
-    def __init__(self) -> None:
-        self._h: dict[str, object] = {}
-        self._counts: dict[str, dict[str, int]] = {}
-
-    def _start(self, kind: str, counts: tuple[str, ...]):
-        h = self._h.get(kind)
-        if h is None:
-            h = self._h[kind] = hashlib.blake2b(digest_size=DIGEST_SIZE)
-            self._counts[kind] = dict.fromkeys(counts, 0)
-        return h, self._counts[kind]
-
-    def add(self, kind: str, mb) -> None:
-        """Fold one micro-batch into the digest of `kind`."""
-        h, counts = self._start(kind, ("micro_batches", "tokens", "loss_tokens"))
-        for t in (mb.input_ids, mb.labels, mb.position_ids, mb.loss_mask, mb.attention_mask):
-            _update(h, t)
-        counts["micro_batches"] += 1
-        counts["tokens"] += int(mb.num_tokens)
-        counts["loss_tokens"] += int(mb.loss_mask.sum())
-
-    def add_prompts(self, prompts: list[list[int]], kind: str = "prompts") -> None:
-        """Fold this step's prompts (token ids, in order) into the digest of `kind`."""
-        h, counts = self._start(kind, ("prompts", "tokens"))
-        for ids in prompts:
-            _update(h, torch.tensor(ids, dtype=torch.int64))
-        counts["prompts"] += len(prompts)
-        counts["tokens"] += sum(len(ids) for ids in prompts)
-
-    def take(self) -> dict:
-        """{kind: {"hash", and the counts}} so far, then reset."""
-        out = {
-            kind: {"hash": h.hexdigest(), **self._counts[kind]}  # type: ignore[attr-defined]
-            for kind, h in sorted(self._h.items())
-        }
-        self._h, self._counts = {}, {}
-        return out
-
-
-def parse_steps(text: str) -> list[int] | str:
-    """--fingerprint-steps: "1,5,10", "" (none) or "all"; raises ValueError on anything else."""
-    text = text.strip()
-    if text == "all":
-        return "all"
-    if not text:
-        return []
-    steps = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"bad step {part!r} in --fingerprint-steps {text!r}")
-        steps.append(int(part))
-    return sorted(set(steps))
-
-
-def model_fingerprint(named: Iterable[tuple[str, torch.nn.Parameter]]) -> dict[str, dict]:
-    """{"params": {name: hash}, "grads": {name: hash or None}} in the model's parameter order.
-
-    Every rank must call this together: a sharded (FSDP2) tensor is gathered with full_tensor().
-    """
-    params: dict[str, str | None] = {}
-    grads: dict[str, str | None] = {}
-    for name, p in named:
-        params[name] = tensor_hash(p)
-        grads[name] = tensor_hash(p.grad)
-    return {"params": params, "grads": grads}
+__all__ = ["DIGEST_SIZE", "DataDigest", "model_fingerprint", "parse_steps", "tensor_hash"]

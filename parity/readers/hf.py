@@ -61,6 +61,7 @@ from parity.readers.frame import (
     finish,
 )
 from parity.readers.text import decode, read_bytes
+from parity.record.names import hf_metric_name
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
@@ -76,15 +77,6 @@ _SUMMARY_KEY = "train_loss"
 NO_STEP = "log_history rows without a step"
 BAD_STEP = "log_history rows whose step is not a non-negative integer"
 NOT_ROW = "log_history entries that are not objects"
-
-
-def metric_name(key: str) -> str:
-    """The name HF's TensorBoard and W&B callbacks give a logged key (`rewrite_logs`)."""
-    if key.startswith("eval_"):
-        return "eval/" + key[5:]
-    if key.startswith("test_"):
-        return "test/" + key[5:]
-    return "train/" + key
 
 
 def _rounding(key: str) -> int | None:
@@ -209,7 +201,7 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
                 value = float(raw)
             except OverflowError:
                 raise fail(file, where, f"value of {key!r} does not fit a float64") from None
-            name = metric_name(key)
+            name = hf_metric_name(key)
             n = _rounding(key)
             if n is not None and name not in unrounded:
                 if _is_rounded(value, n):

@@ -1,13 +1,16 @@
-"""What the HF Trainer and the TRL SFTTrainer subjects share: options, the GA-bug mutant, and a
-recorder that writes the harness's diagnosis files next to the Trainer's own output.
+"""What the HF Trainer and the TRL SFTTrainer subjects share: options, the GA-bug mutant, and
+the harness's recorder (`parity.record.hf.ParityCallback`) next to the Trainer's own output.
 
-Imports only torch, transformers and the standard library: the TRL subject runs it in its own
-venv, where neither `parity` nor `worker` is installed.
+Imports torch, transformers, the standard library and `parity.record` (which needs only torch):
+the TRL subject runs it in its own venv, where `parity` is not installed but this checkout is on
+the path.
 
-The recorder (``Recorder`` mixin + ``RecorderCallback``) writes, per rank, ``ranks/rank{r}.jsonl``
-(the rank's own logged metrics and a digest of the micro-batches it trained on that step, the
-format ``parity.diagnose`` reads) and, at ``--fingerprint-steps``, ``fingerprints.jsonl`` (rank 0:
-a hash of every parameter before the step's update and of every pre-clip gradient). With
+The recorder writes, per rank, ``ranks/rank{r}.jsonl`` (the rank's own logged metrics and a
+digest of the micro-batches its model ran that step, the format ``parity.diagnose`` reads), at
+``--fingerprint-steps`` ``fingerprints.jsonl`` (rank 0: a hash of every parameter before the
+step's update and of every pre-clip gradient) and ``manifest.json`` (rank 0: the environment
+golden baselines are keyed on). The metrics stay Trainer's own ``trainer_state.json``: the
+recorder writes no metrics.jsonl here, so the harness reads these subjects as shipped. With
 ``--dump-grads-at K`` rank 0 also saves the reduced pre-clip gradients of step K
 (``grads-step{K}.safetensors``), for per-tensor comparisons such as the TRL GA-gap analysis.
 """
@@ -15,27 +18,18 @@ a hash of every parameter before the step's update and of every pre-clip gradien
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
+import sys
 from pathlib import Path
-
-import torch
-from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"
-DIGEST_SIZE = 8  # as worker/fingerprint.py: 16 hex characters
 MUTANTS = {
     "ga-bug": "the pre-fix gradient-accumulation loss: each micro-batch's loss is its own token "
     "mean, divided by the GA steps (and averaged over ranks by DDP), instead of the sum over the "
     "whole accumulated global batch divided by its token count",
 }
-# Trainer's end-of-training summary record has train_loss; wall-clock figures (train_runtime,
-# *_per_second) ride along on every step's record: neither goes into a rank record, since clocks
-# differ between ranks.
-_SUMMARY_KEY = "train_loss"
-_WALL_CLOCK = ("runtime", "per_second")
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -56,7 +50,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
         "--fingerprint-steps", default="", help="e.g. 1,5 or all: hash params and grads there"
     )
     p.add_argument("--dump-grads-at", type=int, default=None, help="save step K's grads (rank 0)")
-    p.add_argument("--no-recorder", action="store_true", help="write no ranks/ digests")
+    p.add_argument(
+        "--no-recorder", action="store_true", help="write no ranks/, fingerprints or manifest"
+    )
     p.add_argument(
         "--tokens-seen",
         action="store_true",
@@ -95,53 +91,21 @@ def common_args(args: argparse.Namespace) -> dict:
     )
 
 
-def _update(h, t: torch.Tensor | None) -> None:
-    if t is None:
-        h.update(b"none;")
-        return
-    t = t.detach().cpu().contiguous()
-    h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+class Subject:
+    """Mixin for a Trainer subclass (put it first in the bases): the GA-bug mutant, and at
+    ``--dump-grads-at`` the reduced pre-clip gradients saved.
 
-
-def tensor_hash(t: torch.Tensor | None) -> str | None:
-    if t is None:
-        return None
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
-    _update(h, t)
-    return h.hexdigest()
-
-
-def parse_steps(text: str, total: int) -> set[int]:
-    if not text:
-        return set()
-    if text == "all":
-        return set(range(1, total + 1))
-    return {int(s) for s in text.split(",") if s.strip()}
-
-
-class Recorder:
-    """Mixin for a Trainer subclass (put it first in the bases): digests every micro-batch a rank
-    trains on, and at chosen steps hashes or saves the reduced pre-clip gradients.
-
-    Why a training_step override: it is the one Trainer hook that sees each micro-batch, and
-    after the step's last micro-batch (``accelerator.sync_gradients``) DDP has reduced the
-    gradients and they are not clipped yet.
+    Why a training_step override: after the step's last micro-batch
+    (``accelerator.sync_gradients``) DDP has reduced the gradients and they are not clipped yet.
     """
 
-    recorder_dir: Path | None = None
-    fingerprint_steps: set[int] = set()
     dump_grads_at: int | None = None
     mutant: str | None = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.recorder_dir is not None:
-            self._digest_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         step = self.state.global_step + 1  # the optimizer step this micro-batch belongs to
         if self.accelerator.sync_gradients and self.args.process_index == 0:
-            if step in self.fingerprint_steps:
-                self._fingerprint(step)
             if step == self.dump_grads_at:
                 self._dump_grads(step)
         return loss
@@ -159,137 +123,34 @@ class Recorder:
             model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )
 
-    # --- recording -----------------------------------------------------------------------------
-
-    def _digest_batch(self, inputs) -> None:
-        d = getattr(self, "_digest", None)
-        if d is None:
-            d = self._digest = {"h": hashlib.blake2b(digest_size=DIGEST_SIZE), "mb": 0, "tok": 0}
-        keys = ("input_ids", "labels", "attention_mask", "position_ids", "completion_mask")
-        for key in keys:
-            _update(d["h"], inputs.get(key))
-        d["mb"] += 1
-        mask = inputs.get("attention_mask")
-        d["tok"] += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
-        labels = inputs.get("labels")
-        d["loss_tok"] = d.get("loss_tok", 0) + (
-            int((labels[..., 1:] != -100).sum()) if labels is not None else 0
-        )
-
-    def take_digest(self) -> dict:
-        d = getattr(self, "_digest", None)
-        self._digest = None
-        if d is None:
-            return {}
-        return {
-            "train": {
-                "hash": d["h"].hexdigest(),
-                "micro_batches": d["mb"],
-                "tokens": d["tok"],
-                "loss_tokens": d.get("loss_tok", 0),
-            }
-        }
-
-    def _named(self):
-        model = self.accelerator.unwrap_model(self.model)
-        return list(model.named_parameters())
-
-    def _fingerprint(self, step: int) -> None:
-        named = self._named()
-        record = {
-            "step": step,
-            "params": {n: tensor_hash(p) for n, p in named},
-            "grads": {n: tensor_hash(p.grad) for n, p in named},
-        }
-        assert self.recorder_dir is not None
-        with open(self.recorder_dir / "fingerprints.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-
     def _dump_grads(self, step: int) -> None:
         from safetensors.torch import save_file
 
-        grads = {n: p.grad.detach().clone() for n, p in self._named() if p.grad is not None}
+        named = list(self.accelerator.unwrap_model(self.model).named_parameters())
+        grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
         out = Path(self.args.output_dir) / f"grads-step{step}.safetensors"
-        save_file(grads, str(out), metadata={"order": json.dumps([n for n, _ in self._named()])})
+        save_file(grads, str(out), metadata={"order": json.dumps([n for n, _ in named])})
 
 
-class RecorderCallback(TrainerCallback):
-    """Writes ranks/rank{r}.jsonl: each logged training step's metrics as this rank logged them
-    (Trainer reduces loss and grad_norm over ranks, so they must be rank 0's bit for bit) with
-    the digest of the micro-batches it ran, and an end record when training ends."""
+def install(trainer: Subject, args: argparse.Namespace) -> None:
+    """The mutant and the gradient dump on the trainer, and the recorder (unless
+    --no-recorder): ranks/ digests, fingerprints and the manifest, the metrics left to
+    trainer_state.json. The manifest names the subject, its arguments and the mutant."""
+    from parity.record.hf import ParityCallback
 
-    def __init__(self, trainer: Recorder, out: Path):
-        self.trainer = trainer
-        rank = int(os.environ.get("RANK", "0"))
-        (out / "ranks").mkdir(parents=True, exist_ok=True)
-        self.path = out / "ranks" / f"rank{rank}.jsonl"
-        self.path.write_text("")
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        if "loss" not in logs or _SUMMARY_KEY in logs:
-            return
-        metrics = {
-            k: float(v)
-            for k, v in logs.items()
-            if isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and not any(w in k for w in _WALL_CLOCK)
-        }
-        record = {
-            "step": state.global_step,
-            **metrics,
-            "_meta": {"data": self.trainer.take_digest()},
-        }
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def on_train_end(self, args, state, control, **kwargs):
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"event": "end"}) + "\n")
-
-
-def install_recorder(trainer: Recorder, args: argparse.Namespace) -> None:
     trainer.mutant = args.mutant
-    trainer.fingerprint_steps = parse_steps(args.fingerprint_steps, args.steps)
     trainer.dump_grads_at = args.dump_grads_at
-    if not args.no_recorder:
-        trainer.recorder_dir = args.out
-        trainer.add_callback(RecorderCallback(trainer, args.out))
-    elif trainer.fingerprint_steps:
-        trainer.recorder_dir = args.out
-
-
-def finish(trainer, args: argparse.Namespace) -> None:
-    """trainer_state.json in the output dir (Trainer writes it only into checkpoints otherwise)
-    and manifest.json, both on rank 0. The manifest carries the environment keys a golden is
-    fingerprinted by (parity/golden.py), from worker.metrics_log.environment (stdlib only, so
-    it imports from this checkout in the TRL venv too)."""
-    import sys
-
-    trainer.save_state()
-    if not trainer.is_world_process_zero():
+    if args.no_recorder:
         return
-    from worker.metrics_log import environment
+    subject = {"subject": Path(sys.argv[0]).name, "argv": sys.argv[1:], "mutant": args.mutant}
+    ParityCallback.attach(
+        trainer, args.out, fingerprint_steps=args.fingerprint_steps, metrics=False, manifest=subject
+    )
 
-    env = environment()
-    try:
-        import trl
 
-        env["trl"] = trl.__version__
-    except ImportError:
-        pass
-    manifest = {
-        "subject": Path(sys.argv[0]).name,
-        "argv": sys.argv[1:],
-        "mutant": args.mutant,
-        "environment": env,
-        "backend": "gloo",
-        "device": "cpu",
-        "world_size": trainer.args.world_size,
-        "determinism": {"full_determinism": True, "num_threads": torch.get_num_threads()},
-    }
-    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+def finish(trainer) -> None:
+    """trainer_state.json in the output dir (Trainer writes it only into checkpoints otherwise)."""
+    trainer.save_state()
 
 
 def exit_cleanly() -> None:
@@ -299,8 +160,6 @@ def exit_cleanly() -> None:
     active exception", SIGABRT) in about one 2-rank run of three here; worker/entry.py and
     worker/distributed.py end their jobs the same way.
     """
-    import sys
-
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

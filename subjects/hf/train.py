@@ -4,8 +4,9 @@
         [--grad-accum 1] [--steps 8] [--report-to tensorboard] [--mutant ga-bug]
 
 The loss is on the assistant turn only (worker.data.charcount.encode's mask), padded per
-micro-batch. Trainer writes trainer_state.json (read by parity/readers/hf.py); the recorder in
-subjects/hf/common.py adds ranks/rank{r}.jsonl (batch digests for the diagnosis). Runs as shipped
+micro-batch. Trainer writes trainer_state.json (read by parity/readers/hf.py); the harness's
+recorder (parity.record.hf, installed by subjects/hf/common.py) adds ranks/rank{r}.jsonl (batch
+digests for the diagnosis), fingerprints and the manifest. Runs as shipped
 on CPU: use_cpu, gloo, full_determinism, logging_steps=1. ``--mutant ga-bug`` re-creates the
 pre-fix gradient-accumulation loss through a compute_loss override of our Trainer subclass.
 """
@@ -27,7 +28,7 @@ from subjects.hf.common import (  # noqa: E402
     common_args,
     exit_cleanly,
     finish,
-    install_recorder,
+    install,
 )
 
 
@@ -76,9 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from subjects.hf.common import Recorder
+    from subjects.hf.common import Subject
 
-    class SubjectTrainer(Recorder, Trainer):
+    class SubjectTrainer(Subject, Trainer):
         pass
 
     training_args = TrainingArguments(
@@ -95,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
     )
-    install_recorder(trainer, args)
+    install(trainer, args)
     trainer.train()
-    finish(trainer, args)
+    finish(trainer)
     exit_cleanly()
 
 

@@ -11,7 +11,8 @@ completion only (the assistant turn, as worker/ and subjects/hf/train.py do). Op
 The venv is made by subjects/envs.py from REQUIREMENTS (TRL is never installed in the main venv):
 `python -c "from subjects.hf.train_trl import env_python; print(env_python())"` builds it and
 prints its python, which runs this script (torchrun --no-python PYTHON subjects/hf/train_trl.py).
-This file imports neither `parity` nor `worker` (the manifest's environment() aside).
+This file imports neither `worker` nor `parity` beyond `parity.record` (the recorder, which needs
+only torch; this checkout is on the path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from subjects.hf.common import (  # noqa: E402
     common_args,
     exit_cleanly,
     finish,
-    install_recorder,
+    install,
 )
 
 # What the TRL venv holds. torch is the CPU wheel on disk (subjects.envs also pins it as a
@@ -77,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from subjects.hf.common import Recorder
+    from subjects.hf.common import Subject
 
-    class SubjectSFTTrainer(Recorder, SFTTrainer):
+    class SubjectSFTTrainer(Subject, SFTTrainer):
         pass
 
     extra = {}
@@ -98,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         train_dataset=Dataset.from_list(load_pairs(args.data)),
         processing_class=tokenizer,
     )
-    install_recorder(trainer, args)
+    install(trainer, args)
     trainer.train()
-    finish(trainer, args)
+    finish(trainer)
     exit_cleanly()
 
 

@@ -1,0 +1,77 @@
+"""The recorder any training loop calls to write the run folder the harness reads.
+
+    from parity.record import record_run
+
+    with record_run("runs/a", config=vars(args), fingerprint_steps="1,5") as rec:
+        for step, (x, y) in enumerate(batches, 1):
+            rec.batch(x, y)                        # what this rank trains on
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            rec.fingerprint(step, model)           # pre-clip gradients, at steps 1 and 5
+            opt.step()
+            opt.zero_grad()
+            rec.log(step, {"train/loss": loss.item()})
+
+It writes metrics.jsonl (exact floats, the end record last), manifest.json (the environment
+golden baselines are keyed on), ranks/rank{r}.jsonl (batch digests and each rank's own metrics)
+and fingerprints.jsonl: what `parity compare`, `report`, goldens, the noise floor and
+`parity.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's Trainer and
+TRL's trainers.
+
+The bottom layer: it imports only torch and the standard library (nothing from the rest of
+`parity`, nothing from `worker`), so a foreign trainer's environment needs nothing else.
+"""
+
+from __future__ import annotations
+
+# lazy (PEP 562): the harness's own modules import parity.record.files without torch
+_HOMES = {
+    "DIGEST_SIZE": "digest",
+    "DataDigest": "digest",
+    "model_fingerprint": "digest",
+    "parse_steps": "digest",
+    "tensor_hash": "digest",
+    "CPU_ISA": "env",
+    "cpu_facts": "env",
+    "determinism_flags": "env",
+    "environment": "env",
+    "git_revision": "env",
+    "run_manifest": "env",
+    "console_line": "files",
+    "write_json_atomic": "files",
+    "write_text_atomic": "files",
+    "Recorder": "recorder",
+    "record_run": "recorder",
+}
+
+__all__ = [
+    "CPU_ISA",
+    "DIGEST_SIZE",
+    "DataDigest",
+    "Recorder",
+    "console_line",
+    "cpu_facts",
+    "determinism_flags",
+    "environment",
+    "git_revision",
+    "model_fingerprint",
+    "parse_steps",
+    "record_run",
+    "run_manifest",
+    "tensor_hash",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'parity.record' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"parity.record.{home}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,248 @@
+"""The recorder (`parity.record`): a foreign training loop writes the run folder the harness reads.
+
+tests/foreign_loop.py is such a loop: plain torch, a tiny next-token model, DDP over 2 gloo ranks
+under torchrun, nothing of worker/. Its runs compare, diagnose and round-trip through a golden
+as our own jobs' do: A vs A' aligned; a planted data-order change is "batches differ" at its
+step; a planted numeric change in one layer is "same batches, numbers differ" with that layer's
+gradient named by the fingerprints; a crash mid-run reads as incomplete. The HF callback
+(`parity.record.hf`) writes exactly what Trainer logs (its metrics.jsonl and trainer_state.json
+compare aligned) and hashes the gradients before the clip. Our own jobs write through the same
+code (the goldens and tests/test_diagnose.py hold their format).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parity.cli import main
+from parity.compare import compare_frames
+from parity.diagnose import diagnose, rank_agreement, read_fingerprints, read_rank_data
+from parity.golden import FINGERPRINT_KEYS, MATCH, fingerprint, save_golden, verify_golden
+from parity.launch import LaunchError
+from parity.readers import read_metrics
+from parity.record import Recorder, record_run
+from parity.runs import run_job
+from parity.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOP = ROOT / "tests" / "foreign_loop.py"
+PLANT_STEP = 3  # as foreign_loop.PLANT_STEP
+
+
+def _loop(plant: str = "none", steps: int = 6) -> JobSpec:
+    command = [str(LOOP), "--out", "{out}", "--steps", str(steps), "--plant", plant]
+    command += ["--fingerprint-steps", "all"]
+    return JobSpec(
+        task="custom", trainer=f"foreign-{plant}", world_size=2, steps=steps, command=command,
+        timeout_s=120,
+    )  # fmt: skip
+
+
+# --- the files, in one process ------------------------------------------------------------------
+
+
+def test_records_are_exact_and_the_end_record_is_last(tmp_path):
+    rec = Recorder(tmp_path, rank=0, fingerprint_steps=[2])
+    rec.manifest({"lr": 0.1}, backend="gloo", world_size=1)
+    model = torch.nn.Linear(3, 2)
+    third = torch.tensor(1 / 3, dtype=torch.float32)  # a float32 tensor: its value, not a repr
+    for step in (1, 2, 3):
+        rec.batch(torch.arange(6)[None] + step, torch.ones(1, 6))
+        model(torch.ones(1, 3)).sum().backward()
+        rec.fingerprint(step, model)
+        rec.log(step, {"train/loss": third * step, "n": step, "nan": math.nan}, {"epoch": 0})
+    rec.finish()
+    frame = read_metrics(tmp_path)
+    assert frame.attrs["complete"] is True and list(frame.index) == [1, 2, 3]
+    assert frame.loc[2, "train/loss"] == float(third * 2) and math.isnan(frame.loc[3, "nan"])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1]) == {"event": "end", "steps": 3}
+    assert json.loads(lines[0])["_meta"] == {"epoch": 0}
+    data = read_rank_data(tmp_path)[0]
+    assert data[1]["train"]["micro_batches"] == 1 and data[1]["train"]["tokens"] == 6
+    assert data[1]["train"]["hash"] != data[2]["train"]["hash"]
+    prints = read_fingerprints(tmp_path / "fingerprints.jsonl")
+    assert list(prints) == [2] and set(prints[2]["grads"]) == {"weight", "bias"}
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    env = fingerprint(manifest)
+    unrecorded = [k for k in FINGERPRINT_KEYS if env[k] is None]
+    assert set(unrecorded) <= {"environment.cuda", "environment.gpu", "environment.cpu_vendor"}
+    facts = (manifest["config"], manifest["device"], manifest["backend"])
+    assert facts == ({"lr": 0.1}, "cpu", "gloo")
+
+
+def test_a_crash_mid_run_leaves_an_incomplete_run(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with record_run(tmp_path, config={"steps": 5}) as rec:
+            for step in (1, 2, 3):
+                rec.batch(torch.arange(4))
+                if step == 3:
+                    raise RuntimeError("boom")
+                rec.log(step, {"train/loss": 1.0 / step})
+    assert read_metrics(tmp_path).attrs["complete"] is False
+    assert "end" not in (tmp_path / "ranks" / "rank0.jsonl").read_text()
+    assert sorted(read_rank_data(tmp_path)[0]) == [1, 2]
+    assert json.loads((tmp_path / "manifest.json").read_text())["config"] == {"steps": 5}
+
+
+def test_a_resumed_run_reads_as_one(tmp_path):
+    with Recorder(tmp_path, rank=0, fingerprint_steps="all") as rec:
+        for step in (1, 2, 3):
+            rec.log(step, {"train/loss": float(step)})
+    resumed = Recorder(tmp_path, rank=0, fingerprint_steps="all", append=True)
+    resumed.resume_at(3)  # state saved after step 2: step 3 and the end records go
+    with resumed:
+        resumed.log(3, {"train/loss": 3.5})
+    frame = read_metrics(tmp_path)
+    assert frame["train/loss"].tolist() == [1.0, 2.0, 3.5] and frame.attrs["complete"]
+    assert sorted(read_rank_data(tmp_path)[0]) == [1, 2, 3]
+
+
+def test_the_recorder_is_the_bottom_layer():
+    """parity.record imports only torch and the standard library (transformers in hf.py), none
+    of the rest of parity, nothing of worker; and our jobs write through it."""
+    stdlib = set(sys.stdlib_module_names)
+    for path in sorted((ROOT / "parity" / "record").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.partition(".")[0]
+                ok = top in stdlib or top == "torch" or name.startswith("parity.record")
+                ok = ok or (path.name == "hf.py" and top == "transformers")
+                assert ok, f"{path.name} imports {name}"
+    code = (
+        "import sys, parity.record as r; r.Recorder; r.environment; r.DataDigest\n"
+        "bad = ['pandas', 'transformers', 'worker', 'parity.compare', 'parity.readers']\n"
+        "print([m for m in bad if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stderr
+    import parity.record as record
+    import worker.fingerprint
+    import worker.metrics_log
+
+    assert worker.fingerprint.DataDigest is record.DataDigest
+    assert worker.metrics_log.environment is record.environment
+    assert isinstance(worker.metrics_log.MetricsLog(ROOT, enabled=False).recorder, Recorder)
+
+
+# --- HF Trainer, in one process ----------------------------------------------------------------
+
+
+def _hf_run(out: Path, max_grad_norm: float) -> Path:
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from parity.record.hf import ParityCallback
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(ROOT / "fixtures" / "tiny-qwen2"), use_safetensors=True, dtype=torch.float32
+    )
+    ids = torch.randint(0, 100, (8, 12), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "labels": r} for r in ids]
+    args = TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, max_steps=3, logging_steps=1,
+        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4, use_cpu=True,
+        report_to=[], save_strategy="no", seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4])
+    ParityCallback.attach(trainer, fingerprint_steps="1,2")
+    trainer.train()
+    trainer.save_state()
+    return out
+
+
+def test_hf_callback_writes_what_trainer_logs_and_pre_clip_gradients(tmp_path):
+    pytest.importorskip("transformers")
+    a = _hf_run(tmp_path / "a", max_grad_norm=1.0)
+    mine, hf = read_metrics(a), read_metrics(a / "trainer_state.json")
+    assert mine.attrs["complete"] is True
+    # the same names and bits as HF's own log: training, evaluation and summary in one record
+    comparison = compare_frames(mine, hf)
+    assert comparison.verdict == "aligned", comparison.table()
+    assert {"train/loss", "eval/loss", "train/total_flos", "train/train_loss"} <= set(mine.columns)
+    data = read_rank_data(a)[0]
+    assert set(data[2]) == {"train", "val"} and data[1]["train"]["tokens"] == 24
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert (manifest["device"], manifest["world_size"]) == ("cpu", 1)
+    assert manifest["config"]["max_grad_norm"] == 1.0
+    # clipped hard, the weights part after step 1; the gradients of step 1 were hashed before
+    # the clip, so they are the same
+    b = _hf_run(tmp_path / "b", max_grad_norm=1e-3)
+    d = diagnose(a, b, compare_frames(read_metrics(a), read_metrics(b)))
+    assert d.kind == "same batches, numbers differ" and d.step == 2, d.lines()
+    assert d.fingerprints.root[:2] == ("weights", 2) and d.fingerprints.first_grad_step == 2
+    # fingerprints without attach: refused in one line (no callback sees the pre-clip gradients)
+    from parity.record.hf import ParityCallback
+
+    state = SimpleNamespace(global_step=0)
+    with pytest.raises(ValueError, match=r"use ParityCallback.attach\(trainer"):
+        ParityCallback(fingerprint_steps="1").on_train_begin(None, state, None)
+
+
+# --- a foreign loop under torchrun, 2 gloo ranks ------------------------------------------------
+
+
+@pytest.mark.parity
+def test_foreign_loop_a_vs_a_prime_and_its_golden(parity_runner, tmp_path):
+    floor = parity_runner.floor(_loop())
+    a, again = floor.runs
+    assert floor.deterministic, floor.table()
+    comparison = compare_frames(a.metrics, again.metrics)
+    assert comparison.verdict == "aligned" and a.metrics.attrs["complete"]
+    d = diagnose(a.dir, again.dir, comparison)
+    assert d.kind == "aligned" and d.train.status == "same" and d.train.steps_compared == 6
+    assert d.fingerprints.status == "same" and d.lines() == []
+    agreement = rank_agreement(a.dir)
+    assert (agreement.status, agreement.ranks) == ("agree", 2)
+    manifest = json.loads((a.dir / "manifest.json").read_text())
+    assert (manifest["backend"], manifest["device"], manifest["world_size"]) == ("gloo", "cpu", 2)
+    baseline = save_golden(tmp_path / "golden", a.dir, spec=a.spec.to_dict())
+    result = verify_golden(tmp_path / "golden", again.dir)
+    assert result.status == MATCH and result.own_environment and result.baseline == baseline
+
+
+@pytest.mark.parity
+def test_planted_data_order_change_is_batches_differ(parity_runner):
+    a, b = parity_runner.job(_loop()), parity_runner.job(_loop("data"))
+    d = diagnose(a.dir, b.dir, compare_frames(a.metrics, b.metrics))
+    assert (d.kind, d.step, d.train.ranks) == ("batches differ", PLANT_STEP, [1]), d.lines()
+    assert d.headline().startswith(f"batches differ from step {PLANT_STEP} (rank 1)")
+
+
+@pytest.mark.parity
+def test_planted_numeric_change_names_the_tensor(parity_runner, capsys):
+    a, b = parity_runner.job(_loop()), parity_runner.job(_loop("numeric"))
+    d = diagnose(a.dir, b.dir, compare_frames(a.metrics, b.metrics))
+    assert (d.kind, d.step, d.metric) == (
+        "same batches, numbers differ", PLANT_STEP, "train/grad_norm"
+    ), d.lines()  # fmt: skip
+    assert d.fingerprints.root == ("gradients", PLANT_STEP, ["fc2.weight"])
+    assert d.fingerprints.first_weight_step == PLANT_STEP + 1
+    assert main(["compare", str(a.dir), str(b.dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"diagnosis: same batches, numbers differ from step {PLANT_STEP}" in out
+    assert f"gradients first differ at step {PLANT_STEP} in 1 of 5 tensors: fc2.weight" in out
+
+
+@pytest.mark.parity
+def test_crash_mid_run_is_an_incomplete_run(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        run_job(_loop("crash"), tmp_path)
+    assert info.value.result.reason == "crash" and not info.value.result.output_complete
+    frame = read_metrics(tmp_path)
+    assert list(frame.index) == list(range(1, PLANT_STEP)) and frame.attrs["complete"] is False
+    assert sorted(read_rank_data(tmp_path)) == [0, 1]
