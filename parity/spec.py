@@ -16,7 +16,10 @@ from typing import Any
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:  # a machine's own packages (a GPU box): YAML and code specs only
+        tomllib = None  # type: ignore[assignment]
 
 import yaml
 
@@ -203,18 +206,24 @@ def load_spec(path: str | Path) -> JobSpec | PairSpec:
     return PairSpec(base, sides["a"], sides["b"], source=source)
 
 
+_TOML_ERROR = tomllib.TOMLDecodeError if tomllib is not None else OSError  # OSError: caught anyway
+
+
 def _read_spec(path: Path) -> dict[str, Any]:
     """The parsed file as a dict; unreadable or non-table content is a one-line SpecError."""
     source = str(path)
     try:
         if path.suffix == ".toml":
+            if tomllib is None:
+                raise SpecError(f"{source}: reading TOML on Python 3.10 needs tomli (pip install "
+                                "tomli), or write the spec as .yaml")  # fmt: skip
             with open(path, "rb") as f:
                 data = tomllib.load(f)
         elif path.suffix in (".yaml", ".yml"):
             data = yaml.safe_load(path.read_text())
         else:
             raise SpecError(f"{source}: unsupported spec format {path.suffix!r} (.toml or .yaml)")
-    except (OSError, tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+    except (OSError, _TOML_ERROR, yaml.YAMLError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(f"{source}: cannot read spec: {first}") from None
     if data is None:

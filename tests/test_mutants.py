@@ -9,11 +9,21 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from specs import EPOCHS, FINGERPRINTED, FIXED, SEQ_MEAN, VAL46, legacy_vs_worker, plain
+from specs import (
+    EPOCHS,
+    FINGERPRINTED,
+    FIXED,
+    LAUNCH_MODES,
+    SEQ_MEAN,
+    VAL46,
+    legacy_vs_worker,
+    plain,
+)
 from test_invariance import INVARIANCE
 
 from parity.compare import Comparison, compare_frames
 from parity.diagnose import rank_agreement
+from parity.spec import PairSpec
 from worker.mutants import MUTANTS
 
 pytestmark = pytest.mark.parity
@@ -33,6 +43,8 @@ CHECKS = {
     # test_diagnose.py also traces it to model.layers.1's gradients through the fingerprints
     "layer-grad-halved": ("pair", FINGERPRINTED, "train/grad_norm", 1),
     "scheduler-on-rank-0-only": ("ranks", FINGERPRINTED, "train/lr", 1),
+    # invisible in the fused step (one call); the Tinker-driven side splits each step in 2 calls
+    "chunk-token-mean": ("tinker", LAUNCH_MODES, "train/loss", 1),
 }
 # checked in test_ppo_parity.py
 PPO_CHECKED = {"critic-never-stepped", "reward-missing-engine", "reward-at-first-token"}
@@ -47,6 +59,9 @@ def _check(runner, mutant: str) -> Comparison:
     kind, base, _, _ = CHECKS[mutant]
     if kind == "pair":
         return legacy_vs_worker(runner, base, [mutant]).comparison
+    if kind == "tinker":  # legacy against the Tinker-driven trainer carrying the mutant
+        b = {"trainer": "tinker", "inject": [mutant]}
+        return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=True).comparison
     if kind == "invariance":  # one rank against two: the policy of test_invariance.py
         one = runner.job(plain(world_size=1, overrides=base.overrides))
         two = runner.job(plain(world_size=2, overrides=base.overrides, inject=[mutant]))

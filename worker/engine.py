@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from worker.data.batching import MicroBatch
+from worker.determinism import autocast_dtype
 from worker.distributed import Dist
 from worker.fingerprint import DataDigest, model_fingerprint
 
@@ -31,6 +32,19 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     clip_grad: float = 1.0
     total_steps: int = 20
+    eps: float = 1e-8
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.warmup_ratio * self.total_steps)
+
+    def lr_at(self, scheduler_steps: int) -> float:
+        """The scheduler's rate after `scheduler_steps` steps, computed as LambdaLR does (base lr
+        times the multiplier): a client driving the lr itself gets the same bits."""
+        multiplier = warmup_cosine(
+            scheduler_steps, self.warmup_steps, self.total_steps, self.min_lr_ratio
+        )
+        return self.lr * multiplier
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -46,6 +60,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, kind: str, optim: OptimConfig, d: Dist):
         self.dist, self.kind, self.optim_config = d, kind, optim
+        self.autocast = autocast_dtype()  # PARITY_AUTOCAST=bf16: forwards under bf16 autocast
         model = model.to(d.device)
         if kind == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
@@ -69,9 +84,9 @@ class Engine:
             lr=optim.lr,
             betas=optim.betas,
             weight_decay=optim.weight_decay,
-            eps=1e-8,
+            eps=optim.eps,
         )
-        warmup = int(optim.warmup_ratio * optim.total_steps)
+        warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: warmup_cosine(s, warmup, optim.total_steps, optim.min_lr_ratio),
@@ -91,7 +106,12 @@ class Engine:
         """Logits of one micro-batch."""
         if self.data_digest is not None:
             self.data_digest.add(self.digest_kinds[not torch.is_grad_enabled()], mb)
-        return self.module(**mb.model_inputs(self.dist.device)).logits
+        inputs = mb.model_inputs(self.dist.device)
+        if self.autocast is None:
+            return self.module(**inputs).logits
+        with torch.autocast(self.dist.device.type, dtype=self.autocast):
+            logits = self.module(**inputs).logits
+        return logits.float()  # losses in fp32, as mixed-precision trainers compute them
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -120,10 +140,12 @@ class Engine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        """Global pre-clip gradient norm over all shards and ranks; clips in place."""
+    def clip_grad_norm(self, max_norm: float | None = None) -> torch.Tensor:
+        """Global pre-clip gradient norm over all shards and ranks; clips in place at max_norm
+        (default: the configured clip; inf: the norm only)."""
         self._fingerprint()
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.optim_config.clip_grad)
+        max_norm = self.optim_config.clip_grad if max_norm is None else max_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return norm
@@ -138,16 +160,25 @@ class Engine:
             return
         self.fingerprints[step] = model_fingerprint(self.model.named_parameters())
 
-    def step(self, grad_norm: torch.Tensor) -> bool:
+    def set_optim_params(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+    ) -> None:
+        """AdamW's settings for the next step, on every parameter group (a client's schedule)."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def step(self, grad_norm: torch.Tensor, schedule: bool = True) -> bool:
         """Optimizer step unless the norm is not finite (then the gradients are dropped).
 
-        The scheduler steps either way, as verl's trainers do. Returns whether the step applied.
+        The scheduler steps either way, as verl's trainers do, unless schedule is False (the
+        caller sets the lr itself). Returns whether the step applied.
         """
         applied = bool(torch.isfinite(grad_norm))
         if applied:
             self.optimizer.step()
         self.zero_grad()
-        self.scheduler.step()
+        if schedule:
+            self.scheduler.step()
         return applied
 
     def current_lr(self) -> float:

@@ -20,6 +20,9 @@ from typing import Any, NoReturn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# cuBLAS reads it at its first handle: set before torch (worker.determinism sets the same, and
+# records it in the manifest)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def _lifecycle(train: Callable[[list[str] | None], None], argv: list[str] | None) -> int:
@@ -92,16 +95,18 @@ def fit_and_finish(
         job.log.close()
 
 
-def job_arg_parser(prog: str, description: str, config_cls: type) -> argparse.ArgumentParser:
+def job_arg_parser(
+    prog: str, description: str, config_cls: type, trainers: tuple[str, ...] = ("legacy", "worker")
+) -> argparse.ArgumentParser:
     """The flags every job shares (what parity.spec.JobSpec.to_args emits); defaults come from
-    the job's config dataclass, so each job keeps its own."""
+    the job's config dataclass, so each job keeps its own, and so do its trainers."""
     from worker.losses import AGG_MODES
 
     d = {f.name: f.default for f in dataclasses.fields(config_cls)}
     # no abbreviations: a misspelled or shortened flag is refused, never taken for another one
     p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     p.add_argument("--out", type=Path, required=True, help="run folder for metrics and manifest")
-    p.add_argument("--trainer", choices=["legacy", "worker"], default=d["trainer"])
+    p.add_argument("--trainer", choices=list(trainers), default=d["trainer"])
     p.add_argument("--engine", choices=["fsdp2", "ddp"], default=d["engine"])
     for flag, kind in (("steps", int), ("seed", int), ("global_batch_size", int)):
         p.add_argument("--" + flag.replace("_", "-"), type=kind, default=d[flag])

@@ -64,10 +64,11 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def sft_loss(logits: torch.Tensor, mb, scale: LossScale, mode: str = "token-mean"):
-    """SFT loss of one micro-batch; returns (loss, per-rank metrics)."""
+    """SFT loss of one micro-batch; returns (loss, metrics): its per-token log-probs (flat [T],
+    label-aligned, detached), which the TrainingWorker hands back per sample."""
     nll = token_nll(logits, mb.labels)
     loss = agg_loss(nll, mb.loss_mask.reshape(-1), mb.seq_ids.reshape(-1), mb.num_seqs, mode, scale)
-    return loss, {}
+    return loss, {"logprobs": -nll.detach()}
 
 
 # --- PPO -----------------------------------------------------------------------------------------

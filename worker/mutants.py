@@ -23,11 +23,11 @@ def lr_before_step() -> None:
     """train/lr read before the scheduler steps: the classic off-by-one."""
     from worker.training_worker import TrainingWorker
 
-    def optim_step(self) -> dict:
+    correct = TrainingWorker.optim_step
+
+    def optim_step(self, params=None) -> dict:
         lr = self.engine.current_lr()
-        grad_norm = self.engine.clip_grad_norm()
-        applied = self.engine.step(grad_norm)
-        return {"grad_norm": float(grad_norm), "lr": lr, "applied": applied}
+        return {**correct(self, params), "lr": lr}
 
     TrainingWorker.optim_step = optim_step
 
@@ -51,17 +51,26 @@ def micro_batch_token_mean() -> None:
     sft.sft_loss = per_micro_batch_mean
 
 
+def chunk_token_mean() -> None:
+    """Each forward_backward call normalized by its own token count, not the step's declared one.
+
+    A step split into k calls then sums k token-means: about k times the loss. Invisible in the
+    fused step (one call: its own count is the step's); the client-driven side shows it.
+    """
+    from worker.training_worker import TrainingWorker
+
+    TrainingWorker._call_scale = lambda self, own, declared: own
+
+
 def grad_norm_after_clip() -> None:
     """train/grad_norm measured after clipping (capped at the clip value)."""
     from worker.training_worker import TrainingWorker
 
-    def optim_step(self) -> dict:
-        self.engine.clip_grad_norm()
-        after = self.engine.clip_grad_norm()  # the norm of the already clipped gradients
-        applied = self.engine.step(after)
-        return {"grad_norm": float(after), "lr": self.engine.current_lr(), "applied": applied}
+    def clip_grad_norm(self, max_norm):
+        self.engine.clip_grad_norm(max_norm)
+        return self.engine.clip_grad_norm(max_norm)  # the norm of the already clipped gradients
 
-    TrainingWorker.optim_step = optim_step
+    TrainingWorker._clip_grad_norm = clip_grad_norm
 
 
 def loss_summed_over_ranks() -> None:
@@ -186,11 +195,11 @@ def layer_grad_halved() -> None:
 
     original = Engine.clip_grad_norm
 
-    def clip_grad_norm(self):
+    def clip_grad_norm(self, *args, **kwargs):
         for name, p in self.model.named_parameters():
             if name.startswith("model.layers.1.") and p.grad is not None:
                 p.grad.mul_(0.5)
-        return original(self)
+        return original(self, *args, **kwargs)
 
     Engine.clip_grad_norm = clip_grad_norm
 
@@ -235,6 +244,10 @@ MUTANTS = {
     "micro-batch-token-mean": (
         "loss normalized per micro-batch instead of by the global token count",
         micro_batch_token_mean,
+    ),
+    "chunk-token-mean": (
+        "each forward_backward call of a split step normalized by its own token count",
+        chunk_token_mean,
     ),
     "grad-norm-after-clip": ("train/grad_norm read after clipping", grad_norm_after_clip),
     "loss-summed-over-ranks": (

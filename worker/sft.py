@@ -2,6 +2,7 @@
 
 torchrun --nproc-per-node 2 -m worker.sft --trainer legacy --out runs/a
 torchrun --nproc-per-node 2 -m worker.sft --trainer worker --out runs/b
+torchrun --nproc-per-node 2 -m worker.sft --trainer tinker --chunks 2 --out runs/c
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ def train(argv: list[str] | None = None) -> None:
     from worker.trainers.common import SFTJob, parse_config
     from worker.trainers.legacy_sft import LegacySFTTrainer
     from worker.trainers.sft import SFTTrainer
+    from worker.trainers.tinker import TinkerSFTTrainer
 
     cfg = parse_config(argv)
     job = SFTJob.build(cfg)
-    trainer = LegacySFTTrainer(job) if cfg.trainer == "legacy" else SFTTrainer(job)
+    trainers = {"legacy": LegacySFTTrainer, "worker": SFTTrainer, "tinker": TinkerSFTTrainer}
+    trainer = trainers[cfg.trainer](job)
     fit_and_finish(job, trainer.fit, job.save_final if cfg.save_final else None)
 
 

@@ -125,13 +125,18 @@ def split_dynamic(samples: list[Encoded], count: int) -> list[list[Encoded]]:
 
     Each group keeps the samples' original order, so the result is a pure function of the input.
     """
+    return [[samples[i] for i in g] for g in dynamic_groups([len(s) for s in samples], count)]
+
+
+def dynamic_groups(lengths: list[int], count: int) -> list[list[int]]:
+    """split_dynamic's partition as sample indices (each group ascending)."""
     loads = [0] * count
     members: list[list[int]] = [[] for _ in range(count)]
-    for i in sorted(range(len(samples)), key=lambda i: (-len(samples[i]), i)):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         g = min(range(count), key=lambda g: (loads[g], g))
-        loads[g] += len(samples[i])
+        loads[g] += lengths[i]
         members[g].append(i)
-    return [[samples[i] for i in sorted(m)] for m in members]
+    return [sorted(m) for m in members]
 
 
 def step_order(
@@ -192,6 +197,33 @@ def make_micro_batches(
         count = all_reduce_max(len(groups), device)
         groups += [[] for _ in range(count - len(groups))]
     return [collate(g, packed=cfg.packed) for g in groups]
+
+
+def micro_batch_members(samples: list[Encoded], cfg: BatchingConfig, count: int) -> list[list[int]]:
+    """Which samples each of make_micro_batches' `count` micro-batches holds, as indices in
+    their order there (an empty list for a dummy)."""
+    if cfg.dynamic_bsz:
+        return dynamic_groups([len(s) for s in samples], count)
+    index = list(range(len(samples)))
+    groups = split_fixed(index, cfg.micro_batch_size)  # type: ignore[arg-type]
+    return groups + [[] for _ in range(count - len(groups))]
+
+
+def global_sample_counts(
+    samples: list[Encoded], device: torch.device
+) -> tuple[float, float, float]:
+    """global_counts of these samples however they are cut into micro-batches: (loss tokens,
+    sequences, attention tokens) over every rank, counted from the samples themselves."""
+    local = torch.tensor(
+        [
+            float(sum(int(_shifted(s)[1].sum()) for s in samples)),
+            float(len(samples)),
+            float(sum(len(s) for s in samples)),
+        ],
+        dtype=torch.float64,
+    )
+    tokens, seqs, attn = all_reduce_sum(local, device).tolist()
+    return tokens, seqs, attn
 
 
 def global_counts(mbs: list[MicroBatch], device: torch.device) -> tuple[float, float, float]:

@@ -26,6 +26,10 @@ from worker.fingerprint import DataDigest
 from worker.metrics_log import JobLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
 
+# legacy: the pre-refactor trainer; worker: the TrainingWorker's fused step (train_batch);
+# tinker: a client driving the TrainingWorker call by call (worker/trainers/tinker.py)
+TRAINERS = ("legacy", "worker", "tinker")
+
 
 @dataclass
 class SFTConfig:
@@ -57,6 +61,7 @@ class SFTConfig:
     resume: Path | None = None
     save_final: bool = False
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
+    chunks: int = 2  # the tinker trainer: forward_backward calls per step (rank share cut in k)
 
     def batching(self) -> BatchingConfig:
         return BatchingConfig.of(self, self.max_length)
@@ -72,7 +77,7 @@ class SFTConfig:
 
 
 def parse_config(argv: list[str] | None = None) -> SFTConfig:
-    p = job_arg_parser("python -m worker.sft", "charcount SFT job", SFTConfig)
+    p = job_arg_parser("python -m worker.sft", "charcount SFT job", SFTConfig, TRAINERS)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--val-every", type=int, default=0)
     p.add_argument("--val-before-train", action="store_true")
@@ -80,6 +85,12 @@ def parse_config(argv: list[str] | None = None) -> SFTConfig:
     p.add_argument("--save-state-at", type=int, action="append", default=[])
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--save-final", action="store_true", help="write final.safetensors (rank 0)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        default=2,
+        help="--trainer tinker: forward_backward calls per step (each rank's share cut in K)",
+    )
     cfg = config_from_args(SFTConfig, p.parse_args(argv))
     validate(cfg)
     return cfg
@@ -89,6 +100,8 @@ def validate(cfg: SFTConfig) -> None:
     """Impossible settings fail before any rank starts training, in one line."""
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps must be >= 1, got {cfg.steps}")
+    if cfg.chunks < 1:
+        raise SystemExit(f"error: --chunks must be >= 1, got {cfg.chunks}")
     if cfg.val_samples < 0:  # val[:-1] would silently drop samples
         raise SystemExit(f"error: --val-samples must be >= 0 (0: all), got {cfg.val_samples}")
     if not (cfg.model / "config.json").exists():

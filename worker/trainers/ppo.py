@@ -85,7 +85,7 @@ class PPOTrainer:
                 for k, v in fb["metrics"].items():
                     history.setdefault(k, []).append(v)
                 history["lr"] = [opt["lr"]]
-                per_rank = fb["per_rank"]
+                per_rank = opt["per_rank"]
         return history, per_rank
 
     def fit(self) -> None:

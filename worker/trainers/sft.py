@@ -20,6 +20,10 @@ class SFTTrainer:
         self.worker = TrainingWorker(job.engine, job.cfg.batching())
         self.loss_fn = functools.partial(sft_loss, mode=job.cfg.loss_agg_mode)
 
+    def train_step(self, step: int, samples: list) -> dict:
+        """One optimizer step on this rank's share: the worker's fused step."""
+        return self.worker.train_batch(samples, self.loss_fn)
+
     def validate(self) -> float:
         d = self.job.dist
         return self.worker.forward(self.job.val[d.rank :: d.world], self.loss_fn)["loss"]
@@ -33,7 +37,7 @@ class SFTTrainer:
         elif cfg.val_before_train:
             job.log.log(0, {"val/loss": self.validate()})
         for step, epoch, samples in job.rank_batches(start_step):
-            out = self.worker.train_batch(samples, self.loss_fn)
+            out = self.train_step(step, samples)
             metrics = {f"train/{k}": v for k, v in out["metrics"].items()}
             if job.is_val_step(step):
                 metrics["val/loss"] = self.validate()
