@@ -12,6 +12,9 @@ It reads only the files a job writes next to metrics.jsonl through the recorder
   prompt + response): prompts that differ are the data order; the same prompts with other
   rollouts are "rollouts differ" (generation); the same rollouts cut into other batches are
   the mini-batch shuffle or packing.
+- ``ops/rank{r}.jsonl``: every op of one traced step (``--trace-step K``, ``trace_ops``):
+  the first op whose output differs, its ULP distance and whether its inputs were equal, and
+  the ops only one side runs (``parity.opdiff``).
 - ``fingerprints.jsonl``: rank 0's hash of every full parameter (before the step's update) and
   pre-clip gradient at the ``--fingerprint-steps``: the first step and the tensors that differ
   point at a layer.
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from parity.compare import Comparison, compare_frames
+from parity.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
 
 __all__ = [
@@ -446,6 +450,7 @@ class Diagnosis:
     prompts: DataDiff = field(default_factory=lambda: DataDiff("prompts"))  # PPO only
     rollout: DataDiff = field(default_factory=lambda: DataDiff("rollout"))  # PPO only
     fingerprints: FingerprintDiff = field(default_factory=FingerprintDiff)
+    ops: OpDiff = field(default_factory=OpDiff)  # both runs traced one step (--trace-step)
     ranks: dict[str, RankAgreement] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
@@ -496,6 +501,8 @@ class Diagnosis:
             out.append(self.train.line())
         if self.verdict != "aligned" and self.fingerprints.line():
             out.append(self.fingerprints.line())
+        if self.ops.line() and (self.verdict != "aligned" or self.ops.status != "same"):
+            out.append(self.ops.line())
         for side, agreement in self.ranks.items():
             out += [d.line(side) for d in agreement.disagreements]
         return out + self.errors
@@ -511,6 +518,7 @@ class Diagnosis:
                 "lines": self.lines(),
                 "data": {kind: vars(d).copy() for kind, d in self.data().items()},
                 "fingerprints": {**vars(self.fingerprints), "root": self.fingerprints.root},
+                "ops": self.ops.to_dict(),
                 "ranks": {side: r.to_dict() for side, r in self.ranks.items()},
                 "errors": list(self.errors),
             }
@@ -557,6 +565,10 @@ def diagnose(
             setattr(out, kind, compare_data(data["a"], data["b"], kind))
     try:
         out.fingerprints = compare_fingerprints(dirs["a"], dirs["b"])
+    except MetricsError as e:
+        out.errors.append(str(e))
+    try:
+        out.ops = compare_ops(dirs["a"], dirs["b"])
     except MetricsError as e:
         out.errors.append(str(e))
     # the earliest data difference at or before the first metric divergence explains it; at one

@@ -101,9 +101,20 @@ class Engine:
         self.fingerprint_steps: list[int] | str = []  # or "all"
         self.current_step: int | None = None  # set by the job before each training step
         self.fingerprints: dict[int, dict] = {}  # step -> model_fingerprint, until the job takes it
+        # op-level trace (parity.record.optrace) of one step: from its first forward with grad to
+        # the end of its optimizer step, into trace_out/ops/; 0: off
+        self.trace_step, self.trace_out = 0, Path(".")
+        self._trace: contextlib.ExitStack | None = None
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
         """Logits of one micro-batch."""
+        if self.trace_step and self.current_step == self.trace_step and self._trace is None:
+            if torch.is_grad_enabled():
+                from parity.record.optrace import trace_ops
+
+                self._trace = contextlib.ExitStack()
+                trace = trace_ops(self.trace_out, self.trace_step, self.model, rank=self.dist.rank)
+                self._trace.enter_context(trace)
         if self.data_digest is not None:
             self.data_digest.add(self.digest_kinds[not torch.is_grad_enabled()], mb)
         inputs = mb.model_inputs(self.dist.device)
@@ -179,6 +190,9 @@ class Engine:
         self.zero_grad()
         if schedule:
             self.scheduler.step()
+        if self._trace is not None:
+            self._trace.close()  # writes ops/rank{r}.jsonl and .pt
+            self.trace_step = 0  # once
         return applied
 
     def current_lr(self) -> float:

@@ -14,9 +14,10 @@
 
 It writes metrics.jsonl (exact floats, the end record last), manifest.json (the environment
 golden baselines are keyed on), ranks/rank{r}.jsonl (batch digests and each rank's own metrics)
-and fingerprints.jsonl: what `parity compare`, `report`, goldens, the noise floor and
-`parity.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's Trainer and
-TRL's trainers.
+and fingerprints.jsonl; `with trace_ops(out, step, model):` around one step writes ops/ (every
+op's output hash, parity.record.optrace): what `parity compare`, `report`, goldens, the noise
+floor and `parity.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's
+Trainer and TRL's trainers.
 
 The bottom layer: it imports only torch and the standard library (nothing from the rest of
 `parity`, nothing from `worker`), so a foreign trainer's environment needs nothing else.
@@ -40,6 +41,8 @@ _HOMES = {
     "console_line": "files",
     "write_json_atomic": "files",
     "write_text_atomic": "files",
+    "OpTracer": "optrace",
+    "trace_ops": "optrace",
     "Recorder": "recorder",
     "record_run": "recorder",
 }
@@ -48,6 +51,7 @@ __all__ = [
     "CPU_ISA",
     "DIGEST_SIZE",
     "DataDigest",
+    "OpTracer",
     "Recorder",
     "console_line",
     "cpu_facts",
@@ -59,6 +63,7 @@ __all__ = [
     "record_run",
     "run_manifest",
     "tensor_hash",
+    "trace_ops",
     "write_json_atomic",
     "write_text_atomic",
 ]

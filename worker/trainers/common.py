@@ -61,6 +61,7 @@ class SFTConfig:
     resume: Path | None = None
     save_final: bool = False
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
+    trace_step: int = 0  # trace every op of this step into ops/ (parity.record.optrace); 0: off
     chunks: int = 2  # the tinker trainer: forward_backward calls per step (rank share cut in k)
 
     def batching(self) -> BatchingConfig:
@@ -86,6 +87,13 @@ def parse_config(argv: list[str] | None = None) -> SFTConfig:
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--save-final", action="store_true", help="write final.safetensors (rank 0)")
     p.add_argument(
+        "--trace-step",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hash every op's output of step K (forward, backward, clip, optimizer) into ops/",
+    )
+    p.add_argument(
         "--chunks",
         type=int,
         default=2,
@@ -100,6 +108,8 @@ def validate(cfg: SFTConfig) -> None:
     """Impossible settings fail before any rank starts training, in one line."""
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps must be >= 1, got {cfg.steps}")
+    if cfg.trace_step < 0 or cfg.trace_step > cfg.steps:
+        raise SystemExit(f"error: --trace-step must be in 0..{cfg.steps}, got {cfg.trace_step}")
     if cfg.chunks < 1:
         raise SystemExit(f"error: --chunks must be >= 1, got {cfg.chunks}")
     if cfg.val_samples < 0:  # val[:-1] would silently drop samples
@@ -155,6 +165,7 @@ class SFTJob:
         engine = Engine(model, cfg.engine, cfg.optim(), d)
         engine.data_digest = DataDigest()
         engine.fingerprint_steps = cfg.fingerprint_steps
+        engine.trace_step, engine.trace_out = cfg.trace_step, cfg.out
         log = JobLog(cfg.out, d.rank, {"": engine}, append=cfg.resume is not None)
         job = cls(cfg, d, engine, train, val, log)
         if d.rank == 0:

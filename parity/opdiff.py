@@ -1,0 +1,262 @@
+"""The first operation where two traced steps differ (ops/rank{r}.jsonl, parity.record.optrace).
+
+Both run folders traced the same step (a job's ``--trace-step K``, a loop's ``trace_ops``). The two
+op streams are aligned per phase and module path: within one (phase, module) the sequences of op
+names are matched with difflib (longest common runs), so an op only one side runs (a refactor that
+adds, splits or fuses ops) is a *structural* difference and does not shift the ops after it; the
+matched pairs are compared by output hash in A's order. The first pair whose outputs differ is
+named with the max ULP distance over its output's elements (when both sides kept the values) and
+whether its inputs were equal:
+
+- inputs equal (or only a one-element input, a scalar, differs): the difference is born in this op
+  (or in the scalar it was given: both values are quoted);
+- other inputs differ and ops only one side has come before it: the difference comes from those
+  ops (structural), this op only carries it on;
+- other inputs differ and nothing structural before: they were already different when the step
+  began (weights, data) or came from code the trace did not see.
+
+torch is imported only to read the kept values (the ULP distance).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from parity.readers import MetricsError
+
+OPS_DIR = "ops"
+_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
+_TENSOR = re.compile(r"^[0-9a-f]{16}$")  # a tensor input's hash; else a scalar ("float32=0.5",
+# a one-element tensor) or another argument's repr
+MAX_STRUCTURAL = 20  # ops only one side has, kept in the result
+
+
+class OpTraceError(MetricsError):
+    """An ops/ file that cannot be read; the message names the file and line."""
+
+
+def read_ops(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The op records of one rank's trace and its end record (None: the trace was cut off)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise OpTraceError(f"{path}: cannot read: {e}") from None
+    out, end = [], None
+    for lineno, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise OpTraceError(f"{path}:{lineno}: not valid JSON: {e}") from None
+        if rec.get("event") == "end":
+            end = rec
+            continue
+        if not all(k in rec for k in ("i", "phase", "module", "op", "n", "out", "in")):
+            raise OpTraceError(f"{path}:{lineno}: not an op record")
+        out.append(rec)
+    return out, end
+
+
+def trace_ranks(run_dir: Path | None) -> dict[int, Path]:
+    if run_dir is None or not (run_dir / OPS_DIR).is_dir():
+        return {}
+    found = {}
+    for p in (run_dir / OPS_DIR).iterdir():
+        m = _RANK_FILE.fullmatch(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def where(rec: dict[str, Any]) -> str:
+    """'backward model.layers.1.mlp aten.mm.default #2' (#n: the op's occurrence there)."""
+    module = rec["module"] or "(top level)"
+    return f"{rec['phase']} {module} {rec['op']} #{rec['n']}"
+
+
+def ulp_distance(a, b) -> int | None:
+    """Max ULP distance over the elements of two float tensors of one shape and dtype."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
+        return None
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    bits = a.element_size() * 8
+
+    def ordered(t):  # two's complement bits -> a monotonic integer line (-0.0 == +0.0)
+        i = t.contiguous().view(ints).to(torch.int64)
+        if bits == 64:
+            return torch.where(i < 0, -(i & 0x7FFFFFFFFFFFFFFF), i)
+        return torch.where(i < 0, -(i & ((1 << (bits - 1)) - 1)), i)
+
+    if a.numel() == 0:
+        return 0
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+@dataclass
+class OpDiff:
+    """Where A's and B's traces of one step first differ: an op, or ops only one side has."""
+
+    status: Literal["same", "differ", "structural", "unavailable"] = "unavailable"
+    step: int | None = None
+    rank: int | None = None
+    ops_compared: int = 0
+    first: dict[str, Any] | None = None  # the first matched op whose output differs
+    origin: Literal["born here", "scalar argument", "structural", "inputs", None] = None
+    structural: list[dict[str, Any]] = field(default_factory=list)  # first MAX_STRUCTURAL
+    structural_count: int = 0
+    cost: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> trace time, size
+    detail: str = ""
+
+    def line(self) -> str:
+        if self.status == "unavailable":
+            return f"op trace: {self.detail}" if self.detail else ""
+        at = f"step {self.step} (rank {self.rank})"
+        extra = ""
+        if self.structural_count:
+            first = self.structural[0]
+            extra = (
+                f"; {self.structural_count} ops only one side runs, first {first['side']} only: "
+                f"{where(first)}"
+            )
+        if self.status == "same":
+            return f"every op of {at} identical ({self.ops_compared} ops compared){extra}"
+        if self.status == "structural":
+            return f"ops of {at} differ only in structure, no common op's output differs{extra}"
+        f = self.first
+        assert f is not None
+        ulp = f"max {f['ulp']} ULP" if f["ulp"] is not None else "ULP not kept"
+        src = f" at {f['src']}" if f.get("src") else ""
+        text = f"first differing op at {at}: {f['where']}{src} ({ulp}"
+        if self.origin == "born here":
+            text += "; inputs equal: the difference is born here)"
+        elif self.origin == "scalar argument":
+            text += f"; only a scalar input differs: {f['scalar']})"
+        elif self.origin == "structural":
+            text += "; its inputs differ, after ops only one side runs: the difference comes "
+            text += "from those)"
+        else:
+            text += "; its inputs already differ: weights, data or code outside the trace)"
+        return text + extra
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**vars(self), "line": self.line()}
+
+
+def _load_values(path: Path) -> dict:
+    import torch
+
+    pt = path.with_suffix(".pt")
+    return torch.load(pt, weights_only=True) if pt.is_file() else {}
+
+
+def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
+    """Compare one rank's traces into `out`; True when something differs."""
+    ra, ea = read_ops(pa)
+    rb, eb = read_ops(pb)
+    for side, end, path in (("a", ea, pa), ("b", eb, pb)):
+        if end is None:
+            raise OpTraceError(f"{path}: no end record (the traced step did not finish)")
+        size = path.stat().st_size + (
+            path.with_suffix(".pt").stat().st_size if path.with_suffix(".pt").is_file() else 0
+        )
+        out.cost[side] = {"seconds": end.get("seconds"), "ops": end.get("ops"), "bytes": size}
+    if ea.get("step") != eb.get("step"):
+        out.detail = f"a traced step {ea.get('step')}, b step {eb.get('step')}: not comparable"
+        return False
+    out.step = ea.get("step")
+    groups: dict[tuple[str, str], tuple[list, list]] = {}
+    for side, recs in ((0, ra), (1, rb)):
+        for r in recs:
+            groups.setdefault((r["phase"], r["module"]), ([], []))[side].append(r)
+    pairs, only = [], []
+    for ga, gb in groups.values():
+        sm = difflib.SequenceMatcher(None, [r["op"] for r in ga], [r["op"] for r in gb], False)
+        for tag, i1, i2, j1, j2 in sm.get_opcodes():
+            if tag == "equal":
+                pairs += zip(ga[i1:i2], gb[j1:j2], strict=True)
+            else:
+                only += [("a", r) for r in ga[i1:i2]] + [("b", r) for r in gb[j1:j2]]
+    pairs.sort(key=lambda p: p[0]["i"])
+    out.ops_compared = len(pairs)
+    first = None
+    for x, y in pairs:
+        for j, (hx, hy) in enumerate(zip(x["out"], y["out"], strict=False)):
+            if hx is not None and hy is not None and hx != hy:
+                first = (x, y, j)
+                break
+        if first or len(x["out"]) != len(y["out"]):
+            first = first or (x, y, 0)
+            break
+    # structural ops in stream order (each side's own index)
+    only.sort(key=lambda s: s[1]["i"])
+    out.structural_count = len(only)
+    out.structural = [
+        {"side": s, **{k: r[k] for k in ("phase", "module", "op", "n", "i")}, "src": r.get("src")}
+        for s, r in only[:MAX_STRUCTURAL]
+    ]
+    if first is None:
+        out.status = "structural" if only else "same"
+        return bool(only)
+    x, y, j = first
+    ulp = None
+    va, vb = _load_values(pa), _load_values(pb)
+    key_a, key_b = f"{x['i']}.{j}", f"{y['i']}.{j}"
+    if key_a in va and key_b in vb:
+        ulp = ulp_distance(va[key_a], vb[key_b])
+    src = (
+        x.get("src")
+        if x.get("src") == y.get("src")
+        else (f"{x.get('src')} vs {y.get('src')}" if x.get("src") or y.get("src") else None)
+    )
+    out.first = {
+        "where": where(x),
+        "phase": x["phase"],
+        "module": x["module"],
+        "op": x["op"],
+        "n": x["n"],
+        "src": src,
+        "ulp": ulp,
+        "inputs_equal": x["in"] == y["in"],
+        "a_index": x["i"],
+        "b_index": y["i"],
+        "scalar": None,
+    }
+    differing = [(u, v) for u, v in zip(x["in"], y["in"], strict=False) if u != v]
+    if len(x["in"]) != len(y["in"]):
+        differing.append(("?", "?"))
+    before = any(r["i"] < (x["i"] if s == "a" else y["i"]) for s, r in only)
+    if not differing:
+        out.origin = "born here"
+    elif not any(_TENSOR.match(u) or _TENSOR.match(v) for u, v in differing):
+        out.origin = "scalar argument"
+        out.first["scalar"] = ", ".join(f"{u} vs {v}" for u, v in differing[:3])
+    else:
+        out.origin = "structural" if before else "inputs"
+    out.status = "differ"
+    return True
+
+
+def compare_ops(a_dir: Path | None, b_dir: Path | None) -> OpDiff:
+    """Compare the op traces of two run folders, rank by rank; the lowest rank that differs."""
+    out = OpDiff()
+    ta, tb = trace_ranks(a_dir), trace_ranks(b_dir)
+    if not ta and not tb:
+        return out
+    if not ta or not tb:
+        out.detail = f"no {OPS_DIR}/ trace in {'a' if not ta else 'b'} (run it with --trace-step)"
+        return out
+    common = sorted(set(ta) & set(tb))
+    if not common:
+        out.detail = "no rank traced on both sides"
+        return out
+    for rank in common:
+        result = OpDiff(rank=rank)
+        if _compare_rank(ta[rank], tb[rank], result) or rank == common[-1] or result.detail:
+            return result
+    return out

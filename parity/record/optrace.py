@@ -1,0 +1,259 @@
+"""Op-level tracing of one training step: every aten op's output hash, where it ran, and its value.
+
+    from parity.record import trace_ops
+
+    with trace_ops("runs/a", step=5, model=model):      # forward, loss, backward, clip, optimizer
+        loss = loss_fn(model(x), y); loss.backward(); opt.step()
+
+writes, per rank, ``ops/rank{r}.jsonl`` (one record per op, then the end record) and
+``ops/rank{r}.pt`` (floating-point outputs up to 64 KiB each, for the ULP distance of the op
+that differs; read back with ``torch.load(weights_only=True)``). A record:
+
+    {"i": 17, "phase": "forward", "module": "model.layers.0.mlp.up_proj", "op": "aten.mm.default",
+     "n": 0, "out": ["<hash>"], "in": ["<hash>", "float32=0.5", "[1, 2]"], "src": "file.py:12"}
+
+phase: "forward" (inside a module's forward), "backward" (run by autograd's engine) or "step"
+(top-level code: the loss, gradient clipping, the optimizer). module: the innermost module
+running (forward and backward, from torch's ModTracker), or for a step op on one parameter
+or its gradient (clipping, the optimizer; given `model`) that parameter's name (``.grad``
+added), else ""; n: the
+occurrence of this op in this phase and module; out/in: a hash of each output tensor and of each
+input (a one-element tensor as its dtype and value; other arguments as their repr); src: the
+first caller outside torch (forward and step ops only: backward runs in autograd's engine).
+
+Why a TorchDispatchMode of our own, and not torch.utils._debug_mode.DebugMode: DebugMode's
+hashes are an L1 norm or torch.hash_tensor's XOR sum, both over a float64 cast (a permutation or
+compensating errors collide), where parity needs "equal exactly when the bits are" (the blake2b
+of bytes the fingerprints use); it stringifies every call's arguments, tracks modules in forward
+only and is a private prototype whose layout moved between releases. The mode here sees the same
+aten ops (DTensor ops are left to DTensor, which dispatches their local ops back to us), and
+ModTracker (what DebugMode itself uses) gives the module path in backward as well.
+
+Outputs of ops that make uninitialized memory (empty*, resize_), of collectives (their buffers are
+written asynchronously) and of views (FSDP2 views its all-gather buffer before filling it) are
+recorded with a None hash: never a false difference.
+Only the torch and the standard library are imported (the recorder's rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from parity.record.digest import DIGEST_SIZE
+
+OPS_DIR = "ops"
+# outputs kept for the ULP distance of the op that differs: each up to MAX_TENSOR_BYTES, in all
+# up to MAX_VALUE_BYTES per rank (a 2-layer, 128-wide model: ~10 MB); hashes of every output
+MAX_TENSOR_BYTES = 64 * 2**10
+MAX_VALUE_BYTES = 32 * 2**20
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_UNINITIALIZED = ("empty", "resize", "set_.")
+_COLLECTIVE_NS = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
+
+
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _hash(t: torch.Tensor) -> str:
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    t = t.detach()
+    h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
+    if t.numel():
+        t = t.cpu()
+        as_int = _INTS.get(t.element_size()) if not t.is_complex() else None
+        if as_int is None:
+            t = t.reshape(-1).clone().view(torch.uint8)
+        else:
+            t = t.view(as_int).clone()  # never .numpy() the op's own storage (FSDP resizes it)
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements live (a live parameter's or gradient's memory is its own)."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.dtype)
+
+
+def _input(x: Any) -> str:
+    """An input as compared: a tensor's hash (one element: its dtype and value), else repr."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 1 and not x.is_meta:
+            return f"{str(x.dtype)[6:]}={x.detach().cpu().reshape(()).item()!r}"
+        return _hash(x)
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _source() -> str | None:
+    """file:line of the innermost caller outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith((_TORCH_DIR, _HERE)):
+            return f"{os.path.relpath(name) if not name.startswith('<') else name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+class OpTracer(TorchDispatchMode):
+    """Records every aten op run on plain tensors while active (see the module docstring)."""
+
+    def __init__(
+        self, model: torch.nn.Module | None = None, max_value_bytes: int = MAX_VALUE_BYTES
+    ):
+        super().__init__()
+        self.model = model
+        self._names: dict[tuple, str] | None = None  # memory -> parameter (or .grad)
+        from torch.distributed._tools.mod_tracker import ModTracker
+
+        self.records: list[dict[str, Any]] = []
+        self.values: dict[str, torch.Tensor] = {}
+        self.value_bytes, self.max_value_bytes = 0, max_value_bytes
+        self.values_dropped = 0
+        self._counts: dict[tuple[str, str, str], int] = {}
+        self.tracker = ModTracker()
+        self._stack: contextlib.ExitStack | None = None
+
+    def _module(self) -> str:
+        names = [p for p in self.tracker.parents if p != "Global"]
+        if not names:
+            return ""
+        # innermost; in backward sibling modules can be open together (ModTracker closes a module
+        # when its inputs' gradients are done): the name breaks the tie, the same on both sides
+        inner = max(names, key=lambda n: (n.count("."), n))
+        parts = inner.split(".")[1:]  # the root's class name
+        while parts and parts[0] in ("module", "_orig_mod", "_fsdp_wrapped_module"):
+            parts = parts[1:]  # DDP's, compile's and FSDP1's wrappers
+        return ".".join(parts)
+
+    def _param(self, leaves: list) -> str | None:
+        """The parameter (or gradient) a top-level op works on: what names clipping's and the
+        optimizer's per-tensor ops (foreach ops take them all: not named)."""
+        if self.model is None:
+            return None
+        if self._names is None:
+            self._names = {}
+            for name, p in self.model.named_parameters():
+                for t, suffix in ((p, ""), (p.grad, ".grad")):
+                    if t is not None:
+                        self._names[_where(getattr(t, "_local_tensor", t))] = name + suffix
+        first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
+        return self._names.get(_where(first)) if first is not None else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        kinds = {type(x) for x in leaves if isinstance(x, torch.Tensor)} - _PLAIN
+        if any(k.__name__ == "DTensor" for k in kinds):
+            return NotImplemented  # DTensor runs its local ops, which come back here
+        if kinds:  # fake tensors (DTensor's sharding propagation) and other subclasses
+            return func(*args, **kwargs)
+        name = str(func)
+        backward = torch._C._current_autograd_node() is not None
+        module = self._module()
+        phase = "backward" if backward else ("forward" if module else "step")
+        if backward:
+            self._names = None  # gradients made since: map again
+        elif phase == "step" and "_foreach_" not in name:
+            module = self._param(leaves) or ""
+        inputs = [_input(x) for x in leaves]  # before the op: in-place ops change them
+        out = func(*args, **kwargs)
+        key = (phase, module, name)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        i = len(self.records)
+        skip = (
+            any(s in name for s in _UNINITIALIZED)
+            or name.split(".")[0] in _COLLECTIVE_NS
+            or getattr(func, "is_view", False)  # may alias a buffer not written yet (FSDP2)
+        )
+        hashes: list[str | None] = []
+        for j, t in enumerate(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)):
+            if skip or t.is_meta:
+                hashes.append(None)
+                continue
+            hashes.append(_hash(t))
+            if t.is_floating_point():
+                size = t.numel() * t.element_size()
+                if size <= MAX_TENSOR_BYTES and self.value_bytes + size <= self.max_value_bytes:
+                    self.values[f"{i}.{j}"] = t.detach().cpu().clone()
+                    self.value_bytes += size
+                else:
+                    self.values_dropped += 1
+        rec = {"i": i, "phase": phase, "module": module, "op": name, "n": n, "out": hashes}
+        rec["in"] = inputs
+        if not backward:
+            rec["src"] = _source()
+        self.records.append(rec)
+        return out
+
+    def __enter__(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self.tracker)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._stack is not None:
+            self._stack.close()
+        return out
+
+
+def ops_files(out: str | Path, rank: int) -> tuple[Path, Path]:
+    folder = Path(out) / OPS_DIR
+    return folder / f"rank{rank}.jsonl", folder / f"rank{rank}.pt"
+
+
+@contextlib.contextmanager
+def trace_ops(
+    out: str | Path,
+    step: int,
+    model: torch.nn.Module | None = None,
+    *,
+    rank: int | None = None,
+    max_value_bytes: int = MAX_VALUE_BYTES,
+) -> Iterator[OpTracer]:
+    """Trace every op run inside the block (one training step, `step`) into the run folder `out`:
+    ops/rank{r}.jsonl and ops/rank{r}.pt (see the module docstring). Every rank writes its own.
+    The trace's own cost (seconds inside the block, file sizes) is in the end record."""
+    if rank is None:
+        from parity.record.env import dist_facts
+
+        rank = dist_facts()[0]
+    tracer = OpTracer(model, max_value_bytes)
+    start = time.perf_counter()
+    with tracer:
+        yield tracer
+    seconds = time.perf_counter() - start
+    from parity.record.files import write_text_atomic
+
+    jsonl, values = ops_files(out, rank)
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    tmp = values.with_name(f".{values.name}.tmp")
+    torch.save(tracer.values, tmp)
+    tmp.replace(values)
+    lines = [json.dumps(r) for r in tracer.records]
+    end = {
+        "event": "end",
+        "step": step,
+        "ops": len(tracer.records),
+        "seconds": round(seconds, 4),
+        "values_bytes": tracer.value_bytes,
+        "values_dropped": tracer.values_dropped,
+    }
+    lines.append(json.dumps(end))
+    write_text_atomic(jsonl, "\n".join(lines) + "\n")

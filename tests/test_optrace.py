@@ -1,0 +1,146 @@
+"""Op-level traces of one step (parity.record.optrace) and the first op that differs
+(parity.opdiff): fast tests on a toy loop, `parity` tests on worker vs worker + a mutant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from specs import SEQ_MEAN
+
+from parity.opdiff import compare_ops, ulp_distance
+from parity.record import trace_ops
+from parity.spec import JobSpec
+
+
+class Block(torch.nn.Module):
+    def __init__(self, fused: bool = True, scale: float = 1.0):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.fused, self.scale = fused, scale
+
+    def forward(self, x):
+        if self.fused:
+            h = F.linear(x, self.proj.weight, self.proj.bias)
+        else:  # the same linear as matmul + add: other ops, maybe other bits
+            h = x @ self.proj.weight.t() + self.proj.bias
+        return self.norm(torch.relu(h) * self.scale)
+
+
+def _step(out, model: torch.nn.Module, loss_scale: float = 1.0) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trace_ops(out, 1, model, rank=0):
+        loss = model(x).pow(2).mean() * loss_scale
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+def _model(**kw) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(Block(**kw), Block())
+
+
+def test_same_step_traces_identical(tmp_path):
+    _step(tmp_path / "a", _model())
+    _step(tmp_path / "b", _model())
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert d.status == "same" and d.ops_compared > 50 and d.structural_count == 0, d.line()
+    assert d.cost["a"]["ops"] == d.ops_compared and d.cost["a"]["bytes"] > 0
+
+
+def test_scaled_activation_is_born_in_its_module(tmp_path):
+    _step(tmp_path / "a", _model())
+    _step(tmp_path / "b", _model(scale=1.0000001))
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    f = d.first
+    assert (d.status, d.origin, f["phase"], f["module"], f["op"]) == (
+        "differ",
+        "scalar argument",
+        "forward",
+        "0",
+        "aten.mul.Tensor",
+    ), d.line()
+    line = Block.forward.__code__.co_firstlineno + 5  # `return self.norm(... * self.scale)`
+    assert f["src"].endswith(f"test_optrace.py:{line}") and f["ulp"] >= 1
+    assert "first differing op at step 1 (rank 0): forward 0 aten.mul.Tensor #0" in d.line()
+
+
+def test_fused_linear_is_structural_not_a_false_first_op(tmp_path):
+    _step(tmp_path / "a", _model(fused=True))
+    _step(tmp_path / "b", _model(fused=False))
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    ops = {(s["side"], s["op"]) for s in d.structural if s["module"] == "0"}
+    assert ("a", "aten.addmm.default") in ops and ("b", "aten.mm.default") in ops, d.structural
+    # bitwise the same: only structure differs; otherwise the first common op that differs is
+    # carried, never "born here"
+    assert d.status == "structural" or d.origin == "structural", d.line()
+    assert "only one side runs, first" in d.line()
+
+
+def test_ulp_distance():
+    a = torch.tensor([1.0, -0.0, 2.0])
+    b = torch.tensor([torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item(), 0.0, 2.0])
+    assert ulp_distance(a, b) == 1 and ulp_distance(a, a) == 0
+    assert ulp_distance(a.bfloat16(), a.bfloat16()) == 0 and ulp_distance(a, a[:2]) is None
+
+
+# --- multi-rank: worker vs worker + mutant, both traced at step 1 (the first divergent step) ----
+
+TRACED = {"trace_step": 1}
+# mutant -> (spec overrides, phase, module, op, source file, origin)
+NAMED = {
+    "missing-dp-factor": ({}, "step", "", "aten.mul.Tensor", "worker/losses.py", "scalar argument"),
+    "micro-batch-token-mean": (
+        {},
+        "step",
+        "",
+        "aten.div.Tensor",
+        "worker/losses.py",
+        "scalar argument",
+    ),
+    "seq-mean-dp-scaling": (
+        SEQ_MEAN,
+        "step",
+        "",
+        "aten.div.Tensor",
+        "worker/losses.py",
+        "scalar argument",
+    ),
+}
+
+
+def _traced(runner, overrides: dict, mutant: str | None = None):
+    spec = JobSpec(world_size=2, steps=1, overrides={**overrides, **TRACED})
+    if mutant:
+        spec = JobSpec(world_size=2, steps=1, overrides={**overrides, **TRACED}, inject=[mutant])
+    return runner.job(spec).dir
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("mutant", sorted(NAMED))
+def test_mutant_first_op_is_named(parity_runner, mutant):
+    overrides, phase, module, op, src, origin = NAMED[mutant]
+    a, b = _traced(parity_runner, overrides), _traced(parity_runner, overrides, mutant)
+    d = compare_ops(a, b)
+    f = d.first
+    assert d.status == "differ" and d.step == 1, d.line()
+    assert (f["phase"], f["module"], f["op"], d.origin) == (phase, module, op, origin), d.line()
+    assert f["src"].startswith(src) and f["ulp"] is not None and f["ulp"] > 0, d.line()
+
+
+@pytest.mark.parity
+def test_layer_grad_halved_is_named_at_the_layer(parity_runner):
+    """The mutant adds ops (the halving): structural, on model.layers.1's gradients, and the
+    first common op that differs (the norm of the gradients) only carries it."""
+    a, b = _traced(parity_runner, {}), _traced(parity_runner, {}, "layer-grad-halved")
+    d = compare_ops(a, b)
+    assert d.status == "differ" and d.origin == "structural", d.line()
+    halved = [s for s in d.structural if (s["side"], s["op"]) == ("b", "aten.mul_.Tensor")]
+    assert halved and all(s["phase"] == "step" for s in halved), d.structural
+    assert {s["module"].rsplit(".", 2)[0][:15] for s in halved} == {"model.layers.1."}, halved
+    assert all(s["module"].endswith(".grad") for s in halved), halved
+    assert d.cost["a"]["seconds"] < 30  # the traced step's own cost is reported
