@@ -44,6 +44,7 @@ __all__ = [
     "worktree",
 ]
 
+
 class RevisionError(ValueError):
     """A git command that failed (not a repo, unknown revision); the message is one line."""
 
