@@ -17,6 +17,12 @@ fixtures and the tiny Qwen2 (``subjects.verl.run_sft``). What the pair shows, as
   0.0 at every step, a regression of 0.7.0: it wraps the sequence lengths in tensordict's
   ``NonTensorData`` and then sums ``torch.tensor(...)`` of that, which is an empty tensor.
 - the CPU shim: each patch is needed (what verl does without it) and in force with it.
+- the harness's own diagnosis, from the files ``subjects.verl.recorder`` writes inside verl
+  (per-rank batch digests and reduced metrics, fingerprints at the val steps): the same batches
+  (train and val) on both sides, ranks agree, weights and gradients bitwise equal at steps 2, 4
+  and 6; so ``parity compare`` says "same batches, numbers differ" at the first diverging metric
+  (the token counters at step 1, val/loss at step 2 once they are ignored). A planted data-order
+  bug in a 0.7.0 run (step 3 repeats step 2's batch) reads "batches differ from step 3".
 
 Every test that needs an environment skips, with pip's own reason, where the package index
 cannot be reached to build it (``subjects.envs.EnvUnavailable``).
@@ -35,7 +41,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parity.cli import main as parity_main
 from parity.compare import compare_frames
+from parity.diagnose import diagnose, read_fingerprints, read_rank_data
 from parity.readers import read_metrics
 from subjects import envs
 from subjects import verl as subject
@@ -48,6 +56,9 @@ VAL_STEPS = (2, 4, 6)
 ORACLE_RTOL = 1e-6
 TRAIN = ("train/loss", "train/grad_norm", "train/lr")
 TOKENS = ("train/global_tokens", "train/total_tokens(B)")
+FINGERPRINTS = "2,4,6"  # the val steps: the weights each side validated with
+PLANTED_STEP = 3
+NO_TOKENS = [f"--policy={name}=ignore" for name in TOKENS]
 
 
 def _env_python(version: str) -> Path:
@@ -111,6 +122,7 @@ def pair(tmp_path_factory) -> dict:
         _env_python(version)  # build (or find) both before running either
     root = tmp_path_factory.mktemp("verl-pair")
     args = ("--steps", str(STEPS), "--test-freq", str(TEST_FREQ), "--oracle-checkpoints")
+    args += ("--fingerprint-steps", FINGERPRINTS)
     runs = {v: _run(v, root / v, *args) for v in subject.VERSIONS}
     frames = {v: read_metrics(runs[v] / "console.log") for v in subject.VERSIONS}
     for v in subject.VERSIONS:
@@ -125,7 +137,21 @@ def single_pair(tmp_path_factory) -> dict:
     budget, 2 steps, val at both."""
     root = tmp_path_factory.mktemp("verl-single")
     args = ("--steps", "2", "--test-freq", "1", "--max-tokens-per-rank", "4096")
-    return {v: read_metrics(_run(v, root / v, *args) / "console.log") for v in subject.VERSIONS}
+    runs = {v: _run(v, root / v, *args) for v in subject.VERSIONS}
+    return {v: read_metrics(runs[v] / "console.log") for v in subject.VERSIONS} | {"runs": runs}
+
+
+@pytest.fixture(scope="module")
+def planted(pair, tmp_path_factory) -> Path:
+    """verl 0.7.0 as in the pair, with a data-order bug planted by the recorder: at step 3 every
+    rank's engine trains on its step-2 batch again."""
+    root = tmp_path_factory.mktemp("verl-planted")
+    args = ("--steps", str(STEPS), "--test-freq", str(TEST_FREQ))
+    args += ("--fingerprint-steps", FINGERPRINTS, "--plant", f"repeat-batch@{PLANTED_STEP}")
+    run = _run(B, root / B, *args)
+    record = json.loads((run / "run.json").read_text())
+    print(f"verl {B} planted: run {record['wall_s']} s")
+    return run
 
 
 def _result(comparison, name):
@@ -229,6 +255,138 @@ def test_one_val_micro_batch_aligns(single_pair):
     assert comparison.verdict == "aligned", comparison.table()
     r = _result(comparison, "val/loss")
     assert (r.status, r.steps_compared, r.exact_matches) == ("match", 2, 2)
+    runs = single_pair["runs"]
+    diagnosis = diagnose(runs[A] / "console.log", runs[B] / "console.log", comparison)
+    assert (diagnosis.kind, diagnosis.lines()) == ("aligned", [])
+    assert (diagnosis.train.status, diagnosis.val.status) == ("same", "same")
+    assert {side: r.status for side, r in diagnosis.ranks.items()} == {"a": "agree", "b": "agree"}
+
+
+# -- the harness's own diagnosis (subjects.verl.recorder) ------------------------------------
+
+
+def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = parity_main(list(argv))
+    out = capsys.readouterr().out.splitlines()
+    return code, [ln.removeprefix("diagnosis: ") for ln in out if ln.startswith("diagnosis: ")]
+
+
+SAME_WEIGHTS = "weights and gradients identical at fingerprinted steps 2, 4, 6"
+
+
+@pytest.mark.parity
+def test_diagnosis_same_batches_numbers_differ(pair, capsys, tmp_path):
+    """parity compare / report on the two console logs: the recorder's files next to them say
+    why the metrics differ. As they stand, the first divergence is B's token counters at step 1;
+    without them, val/loss at step 2: the same batches were run (train digests at all 6 steps,
+    val digests at all 3 validations, on both ranks), and the weights and pre-clip gradients are
+    bitwise equal at 2, 4 and 6 (the weights each side validated with): the formula, not the
+    training, makes B's val/loss twice A's."""
+    a, b = (str(pair["runs"][v] / "console.log") for v in (A, B))
+    code, lines = _cli(capsys, "compare", a, b)
+    assert code == 1
+    assert lines == ["same batches, numbers differ from step 1 (train/global_tokens)", SAME_WEIGHTS]
+    code, lines = _cli(capsys, "compare", a, b, *NO_TOKENS)
+    assert code == 1
+    assert lines == ["same batches, numbers differ from step 2 (val/loss)", SAME_WEIGHTS]
+    code, lines = _cli(capsys, "report", a, b, "--out", str(tmp_path / "report"), *NO_TOKENS)
+    assert code == 1
+    assert lines == ["same batches, numbers differ from step 2 (val/loss)", SAME_WEIGHTS]
+    assert (
+        "same batches, numbers differ from step 2 (val/loss)"
+        in (tmp_path / "report" / "report.md").read_text()
+    )
+
+    policies = dict.fromkeys(TOKENS, "ignore")
+    comparison = compare_frames(pair["frames"][A], pair["frames"][B], policies)
+    d = diagnose(a, b, comparison)
+    assert (d.kind, d.step, d.metric) == ("same batches, numbers differ", 2, "val/loss")
+    assert (d.train.status, d.train.steps_compared) == ("same", STEPS)
+    assert (d.val.status, d.val.steps_compared) == ("same", len(VAL_STEPS))
+    assert (d.fingerprints.status, d.fingerprints.steps_compared) == ("same", list(VAL_STEPS))
+    assert {side: (r.status, r.ranks) for side, r in d.ranks.items()} == {
+        "a": ("agree", 2),
+        "b": ("agree", 2),
+    }
+
+
+@pytest.mark.parity
+def test_recorder_files_match_the_run(pair):
+    """What the recorder wrote inside verl: each rank's own reduced metrics are the console's
+    bit for bit (train/mfu is each rank's own timing), 0.7.0's zero token counters on every
+    rank; the digests count the micro-batches verl's dynamic batching made (2 per val batch, as
+    the oracle says); the fingerprints name every parameter; the manifest and the hooks."""
+    oracle_micro = sum(pair["oracle"]["val"][str(VAL_STEPS[0])]["micro_batches"])
+    for version, run in pair["runs"].items():
+        console = pair["frames"][version]
+        for rank in range(2):
+            own = read_metrics(run / "ranks" / f"rank{rank}.jsonl", "jsonl")
+            comparison = compare_frames(console, own)
+            assert comparison.verdict == "aligned", (version, rank, comparison.table())
+            assert comparison.metrics["val/loss"].exact_matches == len(VAL_STEPS)
+            if version == B:
+                assert (own[list(TOKENS)].to_numpy() == 0.0).all()
+        data = read_rank_data(run)
+        assert sorted(data) == [0, 1]
+        for rank, steps in data.items():
+            assert sorted(steps) == list(range(1, STEPS + 1))
+            for step, kinds in steps.items():
+                assert kinds["train"]["micro_batches"] == 2, (version, rank, step)
+                if step in VAL_STEPS:
+                    assert kinds["val"]["micro_batches"] == oracle_micro
+                else:
+                    assert "val" not in kinds
+        prints = read_fingerprints(run / "fingerprints.jsonl")
+        assert sorted(prints) == list(VAL_STEPS)
+        for table in prints.values():
+            assert len(table["params"]) == 26 and all(table["grads"].values())
+        manifest = json.loads((run / "manifest.json").read_text())
+        assert (manifest["verl"], manifest["world_size"], manifest["backend"]) == (
+            version,
+            2,
+            "gloo",
+        )
+        log = (run / "console.log").read_text(errors="replace")
+        assert (
+            f"[subjects.verl.recorder] recording into {run.resolve()} (fingerprint steps: 2,4,6"
+            in log
+        )
+
+
+@pytest.mark.parity
+def test_planted_data_order_bug_batches_differ(pair, planted, capsys):
+    """0.7.0 against itself with step 3 training on step 2's batch: "batches differ from step 3"
+    on both ranks, quoting what rank 0 ran; the weights differ from the next fingerprint (4)."""
+    b = pair["runs"][B]
+    counts = read_rank_data(b)[0]
+    ran = [
+        "{micro_batches} micro-batches, {tokens} tokens".format(**counts[s]["train"])
+        for s in (PLANTED_STEP, PLANTED_STEP - 1)
+    ]
+    code, lines = _cli(capsys, "compare", str(b / "console.log"), str(planted / "console.log"))
+    assert code == 1
+    assert lines == [
+        f"batches differ from step {PLANTED_STEP} (ranks 0, 1): data order, sampler or packing, "
+        f"not numerics; rank 0 ran {ran[0]} in a, {ran[1]} in b",
+        "weights first differ at step 4 in all 26 tensors; gradients from step 4 "
+        "(fingerprinted steps 2, 4, 6)",
+    ]
+    # against 0.6.1 too, once the token counters are set aside
+    a = pair["runs"][A] / "console.log"
+    code, lines = _cli(capsys, "compare", str(a), str(planted / "console.log"), *NO_TOKENS)
+    assert code == 1 and lines[0] == "same batches, numbers differ from step 2 (val/loss)"
+    assert lines[1].startswith(f"batches differ from step {PLANTED_STEP} (ranks 0, 1): rank 0 ran")
+    log = (planted / "console.log").read_text(errors="replace")
+    assert "[subjects.verl.recorder] plant: step 3 trains on step 2's batch again" in log
+
+
+def test_run_sft_refuses_a_plant_without_the_recorder(tmp_path, capsys):
+    from subjects.verl import run_sft
+
+    argv = ["--verl", A, "--out", str(tmp_path / "x"), "--no-record", "--plant", "repeat-batch@3"]
+    assert run_sft.main(argv) == 2
+    assert "need the recorder" in capsys.readouterr().err
 
 
 @pytest.mark.parity

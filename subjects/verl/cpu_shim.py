@@ -16,7 +16,7 @@ verl 0.6.1 and 0.7.0 have no platform registry (that came later): on a machine w
    ``EngineRegistry.get_engine_cls`` looks the class up by ``get_device_name()`` ("cpu"), so it
    asserts "Unknown device: cpu". The patch makes a cpu lookup find the class registered for
    cuda (the same FSDP code, which runs on a CPU device mesh). Applied when
-   ``verl.workers.engine.base`` is imported (an import hook, below), since importing the engine
+   ``verl.workers.engine.base`` is imported (``subjects.verl.hooks``), since importing the engine
    package from here would load it half-way through ``verl/__init__``.
 3. ``memory``: ``log_gpu_memory_usage`` (called while the engine is built) and the memory
    helpers call ``torch.cpu.memory_allocated``, ``memory_reserved``, ``max_memory_allocated``,
@@ -49,17 +49,14 @@ reductions and buffers, ``engine.use_torch_compile=False``.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
-import threading
 
 import torch
 
+from subjects.verl.hooks import after_import
+
 _APPLIED: list[str] = []
-_after: dict[str, list] = {}  # module name -> patches to run once it has executed
-_lock = threading.Lock()
 
 
 def applied() -> list[str]:
@@ -72,51 +69,6 @@ def _note(what: str) -> None:
     _APPLIED.append(what)
     if os.environ.get("RANK", "0") == "0":
         print(f"[subjects.verl.cpu_shim] {what}", file=sys.stderr, flush=True)
-
-
-# -- a post-import hook: run a patch right after a module's code has executed ------------------
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, patches):
-        self._inner = inner
-        self._patches = patches
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        for patch in self._patches:
-            patch(module)
-
-    def __getattr__(self, name):  # get_source, get_code, is_package... as the real loader
-        return getattr(self._inner, name)
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        with _lock:
-            patches = _after.pop(fullname, None)
-        if patches is None:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader, patches)
-        return spec
-
-
-def after_import(name: str, patch) -> None:
-    """Run ``patch(module)`` once module ``name`` has been imported (now, if it already is)."""
-    module = sys.modules.get(name)
-    if module is not None:
-        patch(module)
-        return
-    with _lock:
-        _after.setdefault(name, []).append(patch)
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
 
 
 # -- 1. gloo instead of nccl ---------------------------------------------------------------------

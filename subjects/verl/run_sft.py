@@ -23,6 +23,11 @@ verl.trainer.sft_trainer`` of that environment with the CPU shim loaded through 
   charcount val samples (3 batches of 8 per rank), 4096 gives 1.
 - AdamW lr ``--lr`` (1e-3), cosine with 2 warmup steps to 0.1 * lr, clip 1.0; ``--steps``
   steps, validation every ``--test-freq`` steps and at the last.
+- The harness's diagnosis files, unless ``--no-record``: ``subjects.verl.recorder`` is loaded
+  by the same hook after the shim and writes ``ranks/rank{r}.jsonl`` (each rank's batch digests
+  and reduced metrics), ``manifest.json`` and, at ``--fingerprint-steps``, ``fingerprints.jsonl``
+  into OUT, so ``parity compare``/``report`` on the two console logs print their diagnosis.
+  ``--plant repeat-batch@K`` plants a data-order bug (step K trains on step K-1's batch again).
 - ``--oracle-checkpoints``: save the model shards (``checkpoint.save_contents=[model]``) at every
   validation step, so a float64 oracle can recompute the val loss at the weights it was computed
   with (``subjects.verl.oracle``); otherwise ``save_contents=[]``. verl saves at the last step
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,9 +57,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SHIM = "subjects.verl.cpu_shim"
+RECORDER = "subjects.verl.recorder"
 CONSOLE = "console.log"
 FILE_LOGGER = "verl_file_logger.jsonl"
 FINISHED = b"Final validation metrics:"
+RECORDS = ("ranks", "fingerprints.jsonl", "manifest.json")  # what the recorder writes
 
 
 def overrides(args: argparse.Namespace, out: Path) -> list[str]:
@@ -95,6 +103,17 @@ def overrides(args: argparse.Namespace, out: Path) -> list[str]:
     ]
 
 
+def _clear_records(out: Path) -> None:
+    """No earlier run's diagnosis files in a reused folder (a rank file of a larger world, the
+    fingerprints of a run that took them)."""
+    for name in RECORDS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def launch(command: list[str], cwd: Path, environ: dict, log, timeout_s: float) -> int:
     """Run the launch in a session of its own; past the timeout, end that session (the launcher
     and its ranks, nothing else) and answer 124."""
@@ -128,6 +147,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens-per-rank", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--oracle-checkpoints", action="store_true")
+    p.add_argument(
+        "--fingerprint-steps",
+        default="",
+        help='steps whose weights and pre-clip gradients are hashed ("2,4,6", "all"; none)',
+    )
+    p.add_argument("--no-record", action="store_true", help="no diagnosis files (the shim only)")
+    p.add_argument(
+        "--plant", default="", help="a planted bug for tests: repeat-batch@K (see the recorder)"
+    )
     p.add_argument("--timeout-s", type=float, default=1200)
     p.add_argument("--python", type=Path, help="the verl environment's python (default: built)")
     p.add_argument("extra", nargs="*", help="more Hydra overrides (after --)")
@@ -143,15 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.no_record and (args.fingerprint_steps or args.plant):
+        print("run_sft: --fingerprint-steps and --plant need the recorder", file=sys.stderr)
+        return 2
     python = args.python or env(args.verl)
+    _clear_records(out)
     variables = {
         "PYTHONPATH": str(REPO),
-        "VERL_USE_EXTERNAL_MODULES": SHIM,
+        "VERL_USE_EXTERNAL_MODULES": SHIM if args.no_record else f"{SHIM},{RECORDER}",
         "VERL_FILE_LOGGER_PATH": str(out / FILE_LOGGER),
         "HYDRA_FULL_ERROR": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if not args.no_record:
+        variables["PARITY_VERL_RECORD"] = str(out)
+        variables["PARITY_VERL_FINGERPRINT_STEPS"] = args.fingerprint_steps
+        if args.plant:
+            variables["PARITY_VERL_PLANT"] = args.plant
     environ = {**os.environ, **variables}
     subprocess.run(
         [str(python), "-m", "subjects.verl.prepare", str(out / "inputs")],
@@ -186,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens_per_rank": args.max_tokens_per_rank,
             "lr": args.lr,
             "oracle_checkpoints": args.oracle_checkpoints,
+            "record": not args.no_record,
+            "fingerprint_steps": args.fingerprint_steps,
+            "plant": args.plant or None,
         },
         "python": str(python),
         "command": command,
