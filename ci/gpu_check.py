@@ -816,46 +816,18 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def _kill_check(proc: subprocess.Popen, check_id: str) -> None:
     """SIGKILL the child and everything still carrying its check id (torchrun, the ranks)."""
-    for _ in range(50):
-        left = _carrying(check_id)
-        if proc.poll() is None:
-            left.append(proc.pid)
-        if not left:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.1)
-    proc.wait()
+    from parity.launch import kill_carrying
 
-
-def _carrying(check_id: str) -> list[int]:
-    needle = f"{CHECK_ID_ENV}={check_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            if stat[stat.rindex(")") + 2 :].split()[0] == "Z":
-                continue
-            if needle in Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
+    kill_carrying(CHECK_ID_ENV, check_id, proc, rounds=50)
 
 
 # --- output -------------------------------------------------------------------------------------
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    from parity.record.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
 def _remove_tree(path: Path) -> None:

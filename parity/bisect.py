@@ -26,7 +26,7 @@ from typing import Any
 import parity
 from parity.compare import Comparison, MetricResult, Policy, _json, compare_frames
 from parity.files import write_json_atomic, write_text_atomic
-from parity.launch import LaunchError
+from parity.launch import LaunchError, carrying, kill_carrying
 from parity.readers import MetricsError, read_metrics
 from parity.revisions import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
 from parity.signals import deferred
@@ -228,39 +228,10 @@ def _stop(proc: subprocess.Popen, marker: str, grace_s: float = 30.0) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     deadline = time.monotonic() + grace_s
-    while _marked(marker) and time.monotonic() < deadline:
+    while carrying(_MARKER_ENV, marker) and time.monotonic() < deadline:
         proc.poll()  # reap git as soon as it exits
         time.sleep(0.1)
-    for _ in range(100):
-        left = _marked(marker)
-        if not left:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.1)
-    proc.wait()
-
-
-def _marked(marker: str) -> list[int]:
-    """Live (non-zombie) processes with ``marker`` in their environment."""
-    needle = f"{_MARKER_ENV}={marker}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            if stat[stat.rindex(")") + 2 :].startswith("Z"):
-                continue
-            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    kill_carrying(_MARKER_ENV, marker, proc)
 
 
 def bisect(

@@ -611,3 +611,45 @@ def _last_lines(text: str, n_lines: int) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
+
+
+def carrying(name: str, value: str) -> list[int]:
+    """Live (non-zombie) processes whose environment holds ``name=value`` (Linux /proc): every
+    process a launch marked, wherever it went (a session of its own, a rank reparented to init),
+    which a process group cannot follow."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            if stat[stat.rindex(")") + 2 :].startswith("Z"):
+                continue
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_carrying(
+    name: str, value: str, proc: subprocess.Popen | None = None, rounds: int = 100
+) -> None:
+    """SIGKILL every process carrying ``name=value`` (and ``proc`` while it lives) until none is
+    left (a dying parent may still fork), then reap ``proc``."""
+    for _ in range(rounds):
+        left = carrying(name, value)
+        if proc is not None and proc.poll() is None:
+            left.append(proc.pid)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.1)
+    if proc is not None:
+        proc.wait()

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
 
 import numpy as np
 import torch
+
+from parity.record.env import determinism_flags
 
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"  # the value torch's reproducibility notes give
 AUTOCAST_ENV = "PARITY_AUTOCAST"
@@ -63,32 +64,6 @@ def set_determinism(seed: int) -> dict:
     dtype = autocast_dtype()
     return {
         "seed": seed,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,  # the matmul's (older manifests)
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "fp32_precision": _fp32_precision(),
-        "num_threads": torch.get_num_threads(),
-        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        **determinism_flags(),  # read back from torch, as any recorded run records them
         "autocast": None if dtype is None else str(dtype).removeprefix("torch."),
     }
-
-
-def _fp32_precision() -> dict[str, Any] | None:
-    """torch >= 2.9's per-backend fp32 precision ("ieee": no TF32), None before it."""
-    out: dict[str, Any] = {}
-    for name, obj in (
-        ("cuda.matmul", torch.backends.cuda.matmul),
-        ("cudnn.conv", getattr(torch.backends.cudnn, "conv", None)),
-        ("cudnn.rnn", getattr(torch.backends.cudnn, "rnn", None)),
-    ):
-        try:
-            value = getattr(obj, "fp32_precision", None) if obj is not None else None
-        except RuntimeError:  # torch refuses to read a mix of the old and new APIs
-            value = "mixed"
-        if value is not None:
-            out[name] = value
-    return out or None
