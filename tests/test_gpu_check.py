@@ -107,7 +107,9 @@ def test_dry_run_figures(dry_run):
 def test_a_hung_check_is_stopped_and_the_next_runs(tmp_path):
     """A check past its timeout is an error; its launch is stopped (no process left carrying
     its id), and the checks after it still run."""
-    proc = _run(tmp_path, "--only", "sft-pair,noise-floor", "--check-timeout-s", "6", *TINY)
+    # 500 steps: no machine finishes these checks in 6 s, however idle (2 steps once did)
+    long = [*TINY, "--steps", "500"]
+    proc = _run(tmp_path, "--only", "sft-pair,noise-floor", "--check-timeout-s", "6", *long)
     summary = json.loads((tmp_path / "summary.json").read_text())
     checks = {c["name"]: c for c in summary["checks"]}
     assert proc.returncode == 1
