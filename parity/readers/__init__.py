@@ -64,7 +64,7 @@ _MODULES = (
 def _registry() -> dict[str, Format]:
     out: dict[str, Format] = {}
     for name in _MODULES:
-        for fmt in getattr(importlib.import_module(f"parity.readers.{name}"), "FORMATS", []):
+        for fmt in importlib.import_module(f"parity.readers.{name}").FORMATS:
             if fmt.name in out:
                 raise RuntimeError(f"two readers named {fmt.name!r}")
             out[fmt.name] = fmt

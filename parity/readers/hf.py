@@ -61,7 +61,7 @@ from parity.readers.frame import (
     finish,
 )
 from parity.readers.text import decode, read_bytes
-from parity.record.names import hf_metric_name
+from parity.record.names import HF_SUMMARY_KEY, hf_metric_name
 
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
@@ -72,8 +72,6 @@ _ROUNDED = (  # (key pattern, decimals some transformers version rounds it to), 
     (re.compile(r".+_(samples|steps|tokens)_per_second"), 3),
 )
 _HISTORY_KEY = re.compile(rb'\n\s*"log_history"\s*:\s*\[')
-# the end-of-training summary row: train_loss, train_runtime, *_per_second, total_flos, epoch
-_SUMMARY_KEY = "train_loss"
 NO_STEP = "log_history rows without a step"
 BAD_STEP = "log_history rows whose step is not a non-negative integer"
 NOT_ROW = "log_history entries that are not objects"
@@ -179,7 +177,7 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
                 "a resumed or appended run?"
             )
         last_step = step
-        summary = _SUMMARY_KEY in row
+        summary = HF_SUMMARY_KEY in row
         complete = complete or summary
         group = cells.record(step, where)
         given = logged.setdefault(step, {})

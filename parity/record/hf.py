@@ -39,10 +39,9 @@ from transformers import TrainerCallback
 
 from parity.record.digest import chosen_steps
 from parity.record.env import determinism_flags, package_version
-from parity.record.names import hf_metric_name
+from parity.record.names import HF_SUMMARY_KEY, hf_metric_name
 from parity.record.recorder import Recorder
 
-SUMMARY_KEY = "train_loss"  # what makes a log Trainer's end-of-training summary
 LIBRARIES = ("accelerate", "trl", "peft", "deepspeed", "datasets")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -136,7 +135,7 @@ class ParityCallback(TrainerCallback):
         # the progress callback (it pops it) by the time user callbacks see it
         history = state.log_history[-1] if state.log_history else {}
         row = history if history.get("step") == step and logs.keys() <= history.keys() else logs
-        summary = SUMMARY_KEY in row
+        summary = HF_SUMMARY_KEY in row
         for key, value in row.items():
             if key == "step":
                 continue

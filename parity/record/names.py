@@ -4,6 +4,10 @@ compares name for name."""
 
 from __future__ import annotations
 
+# the key that makes a Trainer log its end-of-training summary (train_runtime, *_per_second,
+# total_flos, epoch ride along): the callback joins it to the last step, the reader keeps it
+HF_SUMMARY_KEY = "train_loss"
+
 
 def hf_metric_name(key: str) -> str:
     """The name HF's TensorBoard and W&B callbacks give a logged key (`rewrite_logs` in
