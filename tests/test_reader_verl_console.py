@@ -212,3 +212,24 @@ def test_one_verl_run_read_from_its_console_and_its_file_logger(tmp_path):
     assert c.ok, c.table()
     assert c.metrics["actor/entropy"].precision == "float32"
     assert c.metrics["train/loss"].precision == "float64"
+
+
+def test_a_warning_glued_to_a_step_line(tmp_path):
+    """Seen in verl 0.7.0's `2>&1` output: a DataLoader worker's UserWarning written after the
+    last value of a step line, before its newline. The values are read; the warning is left out
+    and noted, not taken for part of the last value."""
+    path = tmp_path / "c.log"
+    warning = (
+        "/venv/lib/python3.11/site-packages/torchdata/stateful_dataloader/stateful_dataloader.py"
+        ":386: UserWarning: This DataLoader will create 8 worker processes in total."
+    )
+    path.write_text(
+        "step:1 - train/loss:1.5 - train/total_tokens(B):0.0\n"
+        f"step:2 - train/loss:1.25 - train/total_tokens(B):0.0{warning}\n"
+        "  warnings.warn(\n\n"
+        "step:3 - train/loss:np.float64(1.0) - train/total_tokens(B):3.2e-06\n"
+    )
+    f = read_metrics(path)
+    assert list(f.index) == [1, 2, 3] and f.attrs["skipped"] == []
+    assert f.loc[2, "train/loss"] == 1.25 and f.loc[2, "train/total_tokens(B)"] == 0.0
+    assert any("other output glued to a step line" in n for n in f.attrs["notes"])

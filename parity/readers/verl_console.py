@@ -53,6 +53,9 @@ _STEP_LINE = re.compile(r"step:(?<![" + _NAME + r"]step:)([0-9]+) - (.*)", re.AS
 _STEP_LINE_B = re.compile(rb"step:(?<![" + _NAME.encode() + rb"]step:)[0-9]+ - .*")
 # Ray's log deduplication appends this to a line it saw on several actors
 _RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\].*$")
+# A Python warning another process wrote to the same stream (`2>&1`) before this line's newline:
+# `/path/FILE.py:LINE: SomeWarning: message` (warnings.formatwarning), glued to the last value
+_WARNING_TAIL = re.compile(r"\.py:\d+: \w*(?:Warning|Error): ")
 _NP_SCALAR = re.compile(r"np\.(float64|float32|float16|u?int(?:8|16|32|64))\((.*)\)")
 _CSV_KW: dict[str, Any] = (
     {"float_precision": "round_trip"}
@@ -364,6 +367,20 @@ def _line_cells(m: re.Match[str], lineno: int) -> tuple[int, list[tuple[str, flo
     return step, out
 
 
+def _glued_output(segment: str, start: int) -> int | None:
+    """Where a Python warning glued to the line's last value starts, or None. The last token is
+    `key:value/path.py:N: ...Warning: ...`; a key holds no ':' and a value no '/', so the path
+    starts at the first '/' after the token's first ':'."""
+    tail = _WARNING_TAIL.search(segment, start)
+    if tail is None:
+        return None
+    token = segment.rfind(" - ", start, tail.start())
+    token = start if token < 0 else token + 3
+    colon = segment.find(":", token, tail.start())
+    slash = segment.find("/", colon + 1, tail.start()) if colon >= 0 else -1
+    return slash if slash > colon + 1 else None
+
+
 def _console_slow(
     text: str, path: Path, rule: str = "error", log: ReadLog | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -377,6 +394,11 @@ def _console_slow(
             m = _STEP_LINE.search(segment)
             if m is None:
                 continue
+            cut = _glued_output(segment, m.start(2))
+            if cut is not None:
+                log.note(f"other output glued to a step line left out (first: line {lineno})")
+                m = _STEP_LINE.search(segment[:cut])
+                assert m is not None  # the step line's start is before the cut
             got = _line_cells(m, lineno)
             if isinstance(got, str):
                 log.skip(UNPARSED, lineno)
