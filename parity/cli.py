@@ -244,6 +244,39 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     return EXIT_ALIGNED if result.verdict == "aligned" else EXIT_DIVERGED
 
 
+def cmd_onpolicy(args: argparse.Namespace) -> int:
+    """Judge a PPO run's on-policy chain; without a run folder, run the PPO job first."""
+    from parity.onpolicy import judge_chain, load_chain
+
+    run = Path(args.run) if args.run else _run_onpolicy_job(args)
+    result = judge_chain(load_chain(run), max_ulp=args.max_ulp)
+    if args.json:
+        print(json.dumps({"run": str(run), **result.to_dict()}, allow_nan=False))
+    else:
+        print(result.table())
+        print(f"verdict: {result.verdict()}")
+    return EXIT_ALIGNED if result.ok else EXIT_DIVERGED
+
+
+def _run_onpolicy_job(args: argparse.Namespace) -> Path:
+    from parity.runs import run_job
+
+    overrides = {
+        "logprob_chain": True, "batch_invariant": args.batch_invariant,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+    }  # fmt: skip
+    spec = JobSpec(
+        task="charcount-ppo", trainer=args.trainer, world_size=args.world, steps=args.steps,
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+        seed=args.seed, model=args.model, timeout_s=args.timeout, overrides=overrides,
+        inject=args.inject,
+    )  # fmt: skip
+    out = Path(args.out)
+    run_job(spec, out, label=f"onpolicy {args.trainer}")
+    return out
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
     from parity.inject import load_catalogue
 
@@ -331,6 +364,37 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
     bis.set_defaults(func=cmd_bisect)
 
+    onpolicy = sub.add_parser(
+        "onpolicy",
+        help="rollout-vs-trainer log-prob chain of a PPO job: trainer m vs n, trainer vs "
+        "rollout prefill, rollout decode vs prefill; names the first link that breaks",
+    )
+    onpolicy.add_argument(
+        "run", nargs="?", help="a PPO run folder written with --logprob-chain (else one is run)"
+    )
+    onpolicy.add_argument("--out", default="runs/onpolicy", help="run folder of the job it runs")
+    onpolicy.add_argument("--trainer", default="worker")
+    onpolicy.add_argument("--world", type=int, default=2)
+    onpolicy.add_argument("--steps", type=int, default=2)
+    onpolicy.add_argument("--seed", type=int, default=0)
+    onpolicy.add_argument("--global-batch-size", type=int, default=8)
+    onpolicy.add_argument("--micro-batch-size", type=int, default=1)
+    onpolicy.add_argument("--max-new-tokens", type=int, default=96)
+    onpolicy.add_argument("--temperature", type=float, default=1.0)
+    onpolicy.add_argument("--top-k", type=int, default=0)
+    onpolicy.add_argument("--top-p", type=float, default=1.0)
+    onpolicy.add_argument("--model", default=None, help="a local HF model folder")
+    onpolicy.add_argument(
+        "--batch-invariant", action="store_true", help="the job's batch-invariant forward"
+    )
+    onpolicy.add_argument("--inject", action="append", default=[], metavar="MUTANT")
+    onpolicy.add_argument("--timeout", type=float, default=600.0, help="seconds for the job")
+    onpolicy.add_argument(
+        "--max-ulp", type=int, default=0, help="float32 ULPs a link may differ by (default 0)"
+    )
+    onpolicy.add_argument("--json", action="store_true", help="print one JSON object")
+    onpolicy.set_defaults(func=cmd_onpolicy)
+
     mutants = sub.add_parser("mutants", help="list the mutant catalogue")
     mutants.add_argument("--catalogue", default="worker.mutants")
     mutants.set_defaults(func=cmd_mutants)
@@ -391,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
 _CLEANED_UP = {
     "pair": "launches stopped",
+    "onpolicy": "launch stopped",
     "check": "launches stopped, temporary worktrees removed",
     "bisect": "launches stopped, temporary worktree and its bisect state removed",
 }

@@ -174,6 +174,7 @@ class GoldenResult:
     environment_diff: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     baseline: Path | None = None  # the baseline the run was compared with
     own_environment: bool = True  # whether that baseline was recorded in the run's environment
+    new_metrics: list[str] = field(default_factory=list)  # in the run, not yet in the golden
 
     @property
     def ok(self) -> bool:
@@ -192,6 +193,11 @@ class GoldenResult:
         lines = [f"golden: {self.status}{where}"]
         for key, (g, r) in self.environment_diff.items():
             lines.append(f"  {key}: golden {g!r}, run {r!r}")
+        if self.new_metrics:
+            lines.append(
+                f"  not judged: {len(self.new_metrics)} metrics newer than the golden "
+                f"({', '.join(self.new_metrics)}); rebaseline to pin them"
+            )
         return "\n".join(lines + [self.comparison.table()])
 
 
@@ -213,15 +219,19 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
             f"({golden.index.min()}..{golden.index.max()}), the run has {len(run.index)} "
             f"({run.index.min()}..{run.index.max()})"
         )
-    unknown = sorted(set(golden.columns) ^ set(run.columns))
-    if unknown:
+    dropped = sorted(set(golden.columns) - set(run.columns))
+    if dropped:
         raise GoldenError(
-            f"{baseline / 'metrics.jsonl'}: metrics not in both golden and run: "
-            + ", ".join(unknown)
+            f"{baseline / 'metrics.jsonl'}: metrics of the golden the run no longer logs: "
+            + ", ".join(dropped)
         )
-    comparison = compare_frames(golden, run, policies)
+    # a metric added since the golden was recorded cannot have regressed: listed, not judged
+    # (a golden of another host cannot be re-recorded here; see GoldenResult.message)
+    new = sorted(set(run.columns) - set(golden.columns))
+    comparison = compare_frames(golden, run[list(golden.columns)], policies)
     if comparison.ok:
         status = MATCH
     else:
         status = ENV_CHANGED if diff else REGRESSION
-    return GoldenResult(status, comparison, diff, baseline, own_environment=not diff)
+    own = not diff
+    return GoldenResult(status, comparison, diff, baseline, own_environment=own, new_metrics=new)

@@ -170,9 +170,15 @@ def test_wrong_length_unknown_metrics_and_missing_golden_are_errors(tmp_path):
     save_golden(tmp_path / "golden", _run(tmp_path / "made", [3.0, 2.5, 2.25]))
     with pytest.raises(GoldenError, match=r"golden has 3 steps .* the run has 2"):
         verify_golden(tmp_path / "golden", _run(tmp_path / "short", [3.0, 2.5]))
-    with pytest.raises(GoldenError, match="metrics not in both golden and run: train/grad_norm"):
-        run = _run(tmp_path / "more", [3.0, 2.5, 2.25], extra={"train/grad_norm": 1.0})
-        verify_golden(tmp_path / "golden", run)
+    # a metric the job added since: listed, not judged (it cannot have regressed)
+    run = _run(tmp_path / "more", [3.0, 2.5, 2.25], extra={"train/grad_norm": 1.0})
+    result = verify_golden(tmp_path / "golden", run)
+    assert result.status == MATCH and result.new_metrics == ["train/grad_norm"]
+    assert "not judged: 1 metrics newer than the golden (train/grad_norm)" in result.message()
+    # one the job no longer logs: an error naming it
+    save_golden(tmp_path / "golden2", run)
+    with pytest.raises(GoldenError, match="the run no longer logs: train/grad_norm"):
+        verify_golden(tmp_path / "golden2", _run(tmp_path / "fewer", [3.0, 2.5, 2.25]))
     with pytest.raises(GoldenError, match="no golden here"):
         verify_golden(tmp_path / "nothing", tmp_path / "made")
 

@@ -34,20 +34,30 @@ def build_tiny_model(out: Path, vocab_size: int, seed: int) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def load_model(path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa") -> torch.nn.Module:
-    """The model in float32, with the same bytes on every rank and every run."""
+def load_model(
+    path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa", batch_invariant: bool = False
+) -> torch.nn.Module:
+    """The model in float32, with the same bytes on every rank and every run; batch_invariant:
+    the forward of `worker.batch_invariant` (same bits whatever the batch, cache or prefill)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation=attn, use_safetensors=True
     )
     model.config.use_cache = False
-    return model
+    return _batch_invariant(model) if batch_invariant else model
+
+
+def _batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
+    from worker.batch_invariant import make_batch_invariant
+
+    return make_batch_invariant(model)
 
 
 def load_value_model(
-    path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa", seed: int = 0
-) -> torch.nn.Module:
+    path: str | Path = TINY_MODEL_DIR, attn: str = "sdpa", seed: int = 0,
+    batch_invariant: bool = False,
+) -> torch.nn.Module:  # fmt: skip
     """The causal LM's trunk with a Linear(hidden, 1) value head on the last hidden state.
 
     A token-classification model with one label: its `.logits` [.., T, 1] are the values, so the
@@ -72,7 +82,7 @@ def load_value_model(
         model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=gen) * std)
         if model.score.bias is not None:
             model.score.bias.zero_()
-    return model
+    return _batch_invariant(model) if batch_invariant else model
 
 
 def file_sha256(path: str | Path) -> str:

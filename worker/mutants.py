@@ -238,6 +238,51 @@ def reward_at_first_token() -> None:
     ppo_common.token_rewards = token_rewards
 
 
+# --- on-policy chain (issue 23): each caught by `parity onpolicy` at its link -------------------
+
+
+def _trainer_log_probs(wrap) -> None:
+    """Replace the log-prob function both PPO trainers compute old_log_probs with (the rollout's
+    and the prefill's are left alone: the bug is on the trainer's side)."""
+    import worker.trainers.legacy_ppo as legacy
+    import worker.trainers.ppo as worker_ppo
+
+    for module in (legacy, worker_ppo):
+        module.token_log_probs = wrap(module.token_log_probs)
+
+
+def trainer_without_temperature() -> None:
+    """The sampler divides the logits by the temperature, the trainer does not (link 2)."""
+    _trainer_log_probs(lambda f: lambda logits, labels, temperature=1.0: f(logits, labels, 1.0))
+
+
+def log_probs_shifted() -> None:
+    """The trainer's log-probs one position late: token t gets token t-1's (link 2)."""
+    import torch
+
+    _trainer_log_probs(lambda f: lambda *a, **k: torch.roll(f(*a, **k), 1))
+
+
+def batch_dependent_log_softmax() -> None:
+    """The trainer centres the logits on the whole micro-batch's max before the log-softmax: the
+    same number in exact arithmetic, other bits for another batch (link 1)."""
+    _trainer_log_probs(lambda f: lambda logits, *a, **k: f(logits - logits.max(), *a, **k))
+
+
+def processed_log_probs() -> None:
+    """The rollout records its log-probs after top-k/top-p (renormalized) where the trainer
+    computes the raw ones (link 3; needs top-p < 1 or top-k > 0 to show)."""
+    import worker.ppo_common as common
+
+    correct = common.sampler_log_probs
+
+    def both_processed(logits, scores, tokens, temperature):
+        _, processed = correct(logits, scores, tokens, temperature)
+        return processed, processed
+
+    common.sampler_log_probs = both_processed
+
+
 MUTANTS = {
     "old-val-loss": ("val/loss as the mean of micro-batch losses", old_val_loss),
     "lr-before-step": ("train/lr logged before the scheduler step", lr_before_step),
@@ -284,6 +329,19 @@ MUTANTS = {
     "layer-grad-halved": (
         "gradients of model.layers.1 halved before clipping (a misplaced per-layer multiplier)",
         layer_grad_halved,
+    ),
+    "trainer-without-temperature": (
+        "PPO trainer log-probs at temperature 1 while the sampler uses the temperature",
+        trainer_without_temperature,
+    ),
+    "log-probs-shifted": ("PPO trainer log-probs shifted one position", log_probs_shifted),
+    "batch-dependent-log-softmax": (
+        "PPO trainer log-softmax centred on the micro-batch's max: bits depend on the batch",
+        batch_dependent_log_softmax,
+    ),
+    "processed-log-probs": (
+        "PPO rollout records its log-probs after top-p where the trainer's are raw",
+        processed_log_probs,
     ),
     "sampler-seed-from-time": (
         "data shuffle seeded from the clock: no two runs alike (caught by the noise floor)",

@@ -18,6 +18,7 @@ from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import config_from_args, job_arg_parser
 from worker.fingerprint import DataDigest
+from worker.losses import token_log_probs
 from worker.metrics_log import JobLog, write_manifest
 from worker.model import load_model, load_value_model
 from worker.warm_start import WARM_MODEL_DIR
@@ -39,6 +40,8 @@ class PPOConfig:
     ppo_epochs: int = 2
     max_new_tokens: int = 96  # also selects the prompts: those whose answer fits
     temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
     lr: float = 1e-4  # the actor starts from an SFT model: a gentler step than the critic's
     critic_lr: float = 1e-3
     warmup_ratio: float = 0.1
@@ -57,6 +60,8 @@ class PPOConfig:
     attn: str = "sdpa"
     val_loss: str = "fixed"  # accepted for the harness's common flags; PPO has no val loss
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
+    batch_invariant: bool = False  # worker.batch_invariant's forward in every model
+    logprob_chain: bool = False  # write the on-policy chain's log-probs (worker.onpolicy)
 
     @property
     def mini_batch_size(self) -> int:
@@ -81,11 +86,22 @@ class PPOConfig:
 
 def parse_config(argv: list[str] | None = None) -> PPOConfig:
     p = job_arg_parser("python -m worker.ppo", "charcount PPO job", PPOConfig)
-    own = ("ppo_mini_batch_size", "ppo_epochs", "max_new_tokens", "temperature", "critic_lr",
-           "clip_ratio", "cliprange_value", "kl_coef", "gamma", "lam", "reward_model")  # fmt: skip
+    own = ("ppo_mini_batch_size", "ppo_epochs", "max_new_tokens", "temperature", "top_k",
+           "top_p", "critic_lr", "clip_ratio", "cliprange_value", "kl_coef", "gamma", "lam",
+           "reward_model")  # fmt: skip
     for name in own:  # defaults (and types) from PPOConfig: one place for each
         default = getattr(PPOConfig, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    p.add_argument(
+        "--batch-invariant", action="store_true",
+        help="every model's forward gives a token the same bits whatever the batch, and in KV-"
+        "cache decode as in a prefill (worker.batch_invariant; CPU, one thread per rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--logprob-chain", action="store_true",
+        help="write each step's rollout decode, rollout prefill and trainer log-probs at two "
+        "micro-batch sizes to onpolicy/ for `parity onpolicy`",
+    )  # fmt: skip
     cfg = config_from_args(PPOConfig, p.parse_args(argv))
     validate(cfg)
     return cfg
@@ -96,6 +112,8 @@ def validate(cfg: PPOConfig) -> None:
     for name in ("steps", "global_batch_size", "ppo_epochs", "max_new_tokens", "micro_batch_size"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    if not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < 0 or not cfg.temperature > 0.0:
+        raise SystemExit("error: --top-p must be in (0, 1], --top-k >= 0, --temperature > 0")
     if cfg.global_batch_size % cfg.mini_batch_size:
         raise SystemExit(
             f"error: --ppo-mini-batch-size {cfg.mini_batch_size} does not divide the global "
@@ -139,6 +157,8 @@ class PPOJob:
                 f"error: global batch {cfg.global_batch_size} and mini-batch {mini} must both be "
                 f"divisible by world size {d.world}"
             )
+        if cfg.batch_invariant:  # more threads split a matmul's rows: see worker.batch_invariant
+            torch.set_num_threads(1)
         determinism = set_determinism(cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
         prompts = answerable_prompts(read_jsonl(cfg.data / "train.jsonl"), tokenizer, cfg)
@@ -148,10 +168,12 @@ class PPOJob:
                 f"fits in --max-new-tokens {cfg.max_new_tokens}, fewer than one global batch of "
                 f"{cfg.global_batch_size}"
             )
-        actor = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(cfg.lr), d)
-        critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed)
+        invariant = cfg.batch_invariant
+        actor_model = load_model(cfg.model, cfg.attn, invariant)
+        actor = Engine(actor_model, cfg.engine, cfg.optim(cfg.lr), d)
+        critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed, invariant)
         critic = Engine(critic_model, cfg.engine, cfg.optim(cfg.critic_lr), d)
-        ref = Engine(load_model(cfg.model, cfg.attn), cfg.engine, cfg.optim(0.0), d)
+        ref = Engine(load_model(cfg.model, cfg.attn, invariant), cfg.engine, cfg.optim(0.0), d)
         # what parity.diagnose reads: each step's prompts, the rollout's scoring forwards and the
         # update micro-batches of every rank; actor and critic fingerprints at the chosen steps
         digest = DataDigest()
@@ -231,22 +253,49 @@ def rollout(job: PPOJob, prompts: list[dict], step: int) -> list[RolloutSample]:
         torch.manual_seed(_seed(cfg.seed, step, d.rank))
         out = job.actor.model.generate(
             input_ids=input_ids, attention_mask=attention, do_sample=True,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0, top_p=1.0,
-            eos_token_id=None, pad_token_id=pad, use_cache=True,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+            top_p=cfg.top_p, eos_token_id=None, pad_token_id=pad, use_cache=True,
             synced_gpus=False,  # every rank runs max_new_tokens forwards: no per-token all-reduce
+            return_dict_in_generate=True, output_logits=True, output_scores=True,
         )  # fmt: skip
+    generated = out.sequences[:, width:]
+    raw, processed = sampler_log_probs(
+        torch.stack(out.logits, 1), torch.stack(out.scores, 1), generated, cfg.temperature
+    )
     samples = []
     for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
-        response = out[i, width:].tolist()
+        response = generated[i].tolist()
         if tok.eos_token_id in response:
             response = response[: response.index(tok.eos_token_id) + 1]
         full = torch.tensor(prompt_ids + response, dtype=torch.int64)
         mask = torch.zeros_like(full)
         mask[len(prompt_ids) :] = 1
         text = tok.decode(response, skip_special_tokens=True)
-        index = torch.full_like(full, i)
-        samples.append(RolloutSample(full, mask, prompt, text, len(response), {"index": index}))
+        extras = {"index": torch.full_like(full, i)}
+        where = slice(len(prompt_ids) - 1, len(full) - 1)  # label-aligned: the response tokens
+        for key, values in (("rollout_log_probs", raw), ("rollout_processed_log_probs", processed)):
+            extras[key] = torch.zeros(len(full))
+            extras[key][where] = values[i, : len(response)].cpu()
+        samples.append(RolloutSample(full, mask, prompt, text, len(response), extras))
     return samples
+
+
+def sampler_log_probs(
+    logits: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout's own log-probs of the tokens it sampled, [B, T] each, two ways:
+
+    raw: the log-softmax of the logits the sampler used at the sampling temperature, before
+    top-k/top-p: what the trainer computes (`token_log_probs`), so this is the one the trainer
+    must reproduce. processed: after temperature, top-k and top-p (transformers' processed
+    scores), the distribution the token was actually drawn from; top-k/top-p renormalize it over
+    the kept tokens, which adds -log(kept mass) to every log-prob. With top_k 0 and top_p 1 the
+    two are the same.
+    """
+    shape = tokens.shape
+    raw = token_log_probs(logits, tokens, temperature).reshape(shape)
+    processed = token_log_probs(scores, tokens, 1.0).reshape(shape)
+    return raw, processed
 
 
 # --- per-token outputs back to samples ----------------------------------------------------------

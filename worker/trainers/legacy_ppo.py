@@ -7,6 +7,9 @@ parity claim: do not make it share the TrainingWorker's code.
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +23,7 @@ from worker.losses import (
     token_log_probs,
     value_loss_terms,
 )
+from worker.onpolicy import ChainRecorder, chain_batching, mismatch_metrics
 from worker.ppo_common import (
     PPOConfig,
     PPOJob,
@@ -175,16 +179,34 @@ class LegacyPPOTrainer:
         self.actor = LegacyActorWorker(job.actor, job.cfg)
         self.ref = LegacyActorWorker(job.ref, job.cfg)
         self.critic = LegacyCriticWorker(job.critic, job.cfg)
+        self.chain = ChainRecorder(job)
+
+    def _chain(self, samples: list[RolloutSample], step: int) -> None:
+        """--logprob-chain: the actor's log-probs at a second micro-batch size, then the dump."""
+        batching = chain_batching(self.job.cfg, len(samples))
+        cfg = replace(self.job.cfg, micro_batch_size=batching.micro_batch_size, dynamic_bsz=False)
+        with self.chain.capture("trainer_n"):
+            LegacyActorWorker(self.job.actor, cfg).compute_log_prob(samples, "chain_log_probs")
+        self.chain.write(step, samples, batching.micro_batch_size)
 
     def fit(self) -> None:
         job = self.job
         for step, epoch, prompts in job.rank_prompts():
-            samples = rollout(job, prompts, step)
+            start = time.perf_counter()
+            with self.chain.capture("decode"):
+                samples = rollout(job, prompts, step)
+            rollout_s = time.perf_counter() - start
             scores = self.reward_model([s.response for s in samples], prompts)
-            self.actor.compute_log_prob(samples, "old_log_probs")
+            with self.chain.capture("trainer_m"):
+                self.actor.compute_log_prob(samples, "old_log_probs")
+            if job.cfg.logprob_chain:
+                self._chain(samples, step)
             self.ref.compute_log_prob(samples, "ref_log_probs")
             self.critic.compute_values(samples)
             metrics = compute_advantages(job, samples, scores)
+            metrics.update(mismatch_metrics(job, samples))
             metrics.update(self.critic.update_critic(samples, step, job))
             metrics.update(self.actor.update_policy(samples, step, job))
+            metrics["timing_s/rollout"] = rollout_s
+            metrics["timing_s/step"] = time.perf_counter() - start
             job.log.log(step, metrics, {"epoch": epoch})

@@ -9,10 +9,12 @@ implementation, which is all the rule-based reward has.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
 from worker.losses import LossScale, ppo_policy_loss, ppo_value_loss, token_log_probs
+from worker.onpolicy import ChainRecorder, chain_batching, mismatch_metrics
 from worker.ppo_common import (
     PPOConfig,
     PPOJob,
@@ -57,6 +59,7 @@ class PPOTrainer:
         self.actor = TrainingWorker(job.actor, cfg.batching())
         self.ref = TrainingWorker(job.ref, cfg.batching())
         self.critic = TrainingWorker(job.critic, cfg.batching())
+        self.chain = ChainRecorder(job)
         self.log_prob_fn = functools.partial(_log_prob_outputs, temperature=cfg.temperature)
         self.policy_loss = functools.partial(
             ppo_policy_loss, mode=cfg.loss_agg_mode, clip=cfg.clip_ratio,
@@ -88,15 +91,30 @@ class PPOTrainer:
                 per_rank = opt["per_rank"]
         return history, per_rank
 
+    def _chain(self, samples: list[RolloutSample], step: int) -> None:
+        """--logprob-chain: the actor's log-probs at a second micro-batch size, then the dump."""
+        batching = chain_batching(self.cfg, len(samples))
+        actor_n = TrainingWorker(self.job.actor, batching)
+        with self.chain.capture("trainer_n"):
+            self._infer(actor_n, samples, self.log_prob_fn, "chain_log_probs")
+        self.chain.write(step, samples, batching.micro_batch_size)
+
     def fit(self) -> None:
         job = self.job
         for step, epoch, prompts in job.rank_prompts():
-            samples = rollout(job, prompts, step)
+            start = time.perf_counter()
+            with self.chain.capture("decode"):
+                samples = rollout(job, prompts, step)
+            rollout_s = time.perf_counter() - start
             scores = self.reward_model([s.response for s in samples], prompts)
-            self._infer(self.actor, samples, self.log_prob_fn, "old_log_probs")
+            with self.chain.capture("trainer_m"):
+                self._infer(self.actor, samples, self.log_prob_fn, "old_log_probs")
+            if self.cfg.logprob_chain:
+                self._chain(samples, step)
             self._infer(self.ref, samples, self.log_prob_fn, "ref_log_probs")
             self._infer(self.critic, samples, _value_outputs, "values")
             metrics = compute_advantages(job, samples, scores)
+            metrics.update(mismatch_metrics(job, samples))
             critic, _ = self._update(self.critic, samples, step, self.value_loss)
             actor, per_rank = self._update(self.actor, samples, step, self.policy_loss)
             metrics.update(
@@ -111,6 +129,8 @@ class PPOTrainer:
                     "actor/entropy": _mean(actor["entropy"]),
                     "actor/grad_norm": _mean(actor["grad_norm"]),
                     "actor/lr": actor["lr"][-1],
+                    "timing_s/rollout": rollout_s,
+                    "timing_s/step": time.perf_counter() - start,
                 }
             )
             meta = {"epoch": epoch, "per_rank": per_rank, "updates": len(actor["loss"])}
