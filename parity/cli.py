@@ -94,6 +94,11 @@ def cmd_pair(args: argparse.Namespace) -> int:
     )
     labels = ("A", "A' (A again)") if result.verdict == "nondeterministic" else ("A", "B")
     notes = teardown_notes(result)
+    rerun = None
+    if args.trace and result.verdict == "diverged":
+        rerun = _trace_rerun(result, args.json)
+        if rerun is not None:
+            notes.append(rerun.line())
     md = write_report(result.a.dir, result.b.dir, result.dir, policies, labels=labels, notes=notes)
     html = md.with_name("report.html")
     if not args.json:
@@ -101,6 +106,9 @@ def cmd_pair(args: argparse.Namespace) -> int:
         print(f"report: {html}  {md}")
     extra = {"out": str(result.dir), "report": str(html)}
     extra["diagnosis"] = _diagnosis(result.a.dir, result.b.dir, result.comparison)
+    if rerun is not None:
+        extra["trace_rerun"] = rerun.to_dict()
+        extra["diagnosis"]["lines"].append(rerun.line())
     if result.floor is not None:
         extra["noise_floor"] = result.floor.to_dict()
         if not result.floor.deterministic:
@@ -110,6 +118,27 @@ def cmd_pair(args: argparse.Namespace) -> int:
     if not result.teardown:
         return _report(result.comparison, args.json, extra)
     return _report_teardown(result, args.json, extra)
+
+
+def _trace_rerun(result, quiet: bool):
+    """A pair that diverged on the same batches without op traces: rerun both sides up to the
+    first divergent step with it traced (parity.trace_rerun), and put the traces in the run
+    folders, where the diagnosis and the report read them. None when there is nothing to do."""
+    from parity.diagnose import diagnose
+    from parity.trace_rerun import install_traces, trace_first_divergence
+
+    found = diagnose(result.a.dir, result.b.dir, result.comparison)
+    if found.kind != "same batches, numbers differ" or found.ops.status != "unavailable":
+        return None
+    if not quiet:
+        print(f"same batches, numbers differ from step {found.step}: rerunning both sides up to "
+              "it with every op traced (--no-trace: skip)", flush=True)  # fmt: skip
+    rerun = trace_first_divergence(
+        result.a.spec, result.b.spec, (result.a.dir, result.b.dir), found.step, result.dir
+    )
+    if not rerun.reason:
+        install_traces(rerun, {"a": result.a.dir, "b": result.b.dir})
+    return rerun
 
 
 def _report_nondeterministic(result, as_json: bool, extra: dict) -> int:
@@ -328,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="both sides in one torchrun launch (same bits, one start-up; each side its own "
         "mutants); refused with the reason when the sides differ in world size or nodes, or "
         "run a script",
+    )
+    pair.add_argument(
+        "--no-trace",
+        dest="trace",
+        action="store_false",
+        help="do not rerun a pair that diverged on the same batches up to its first divergent "
+        "step with every op traced (the first differing op; on by default)",
     )
     pair.set_defaults(func=cmd_pair)
 

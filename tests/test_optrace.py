@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,6 +81,41 @@ def test_fused_linear_is_structural_not_a_false_first_op(tmp_path):
     # carried, never "born here"
     assert d.status == "structural" or d.origin == "structural", d.line()
     assert "only one side runs, first" in d.line()
+
+
+class GatedMLP(torch.nn.Module):
+    """gate and up read the same input (as in Llama's MLP): siblings whose backwards interleave."""
+
+    def __init__(self, hook_gate: bool = False):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Linear(8, 16), torch.nn.Linear(8, 16),
+                                         torch.nn.Linear(16, 8))  # fmt: skip
+        self.hook_gate = hook_gate
+
+    def forward(self, x):
+        g = self.gate(x)
+        if self.hook_gate:  # a gradient hook: scales gate's output gradient in backward only
+            g.register_hook(lambda grad: grad * 1.0000001)
+        return self.down(F.silu(g) * self.up(x))
+
+
+def test_backward_ops_of_sibling_modules_are_told_apart(tmp_path):
+    """Both siblings are open in backward at once (ModTracker's view); the autograd node that
+    runs names the module, so gate's gradient ops are gate's, not up's."""
+    for name, hook in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(GatedMLP(hook))
+        with trace_ops(tmp_path / name, 1, model, rank=0):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+    lines = (tmp_path / "a" / "ops" / "rank0.jsonl").read_text().splitlines()[:-1]
+    records = [json.loads(line) for line in lines]
+    mms = [
+        r["module"] for r in records if r["phase"] == "backward" and r["op"] == "aten.mm.default"
+    ]
+    assert sorted(mms) == ["0.down", "0.down", "0.gate", "0.up"], mms
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert (d.first["phase"], d.first["module"]) == ("backward", "0.gate"), d.line()
+    assert d.structural[0]["module"] == "0.gate"  # the hook's mul, only B runs it
 
 
 def test_ulp_distance():

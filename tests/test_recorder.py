@@ -159,7 +159,7 @@ def _hf_run(out: Path, max_grad_norm: float) -> Path:
         report_to=[], save_strategy="no", seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4])
-    ParityCallback.attach(trainer, fingerprint_steps="1,2")
+    ParityCallback.attach(trainer, fingerprint_steps="1,2", trace_step=1)
     trainer.train()
     trainer.save_state()
     return out
@@ -185,6 +185,10 @@ def test_hf_callback_writes_what_trainer_logs_and_pre_clip_gradients(tmp_path):
     d = diagnose(a, b, compare_frames(read_metrics(a), read_metrics(b)))
     assert d.kind == "same batches, numbers differ" and d.step == 2, d.lines()
     assert d.fingerprints.root[:2] == ("weights", 2) and d.fingerprints.first_grad_step == 2
+    # step 1 traced op by op (trace_step=1): the clip is where they part, by its max norm
+    assert d.ops.status == "differ" and d.ops.step == 1, d.ops.line()
+    assert (d.ops.first["phase"], d.ops.origin) == ("step", "scalar argument"), d.ops.line()
+    assert "1.0 vs 0.001" in d.ops.line() or "1 vs 0.001" in d.ops.line(), d.ops.line()
     # fingerprints without attach: refused in one line (no callback sees the pre-clip gradients)
     from parity.record.hf import ParityCallback
 

@@ -90,7 +90,7 @@ def fit_and_finish(
             write_json_atomic(job.cfg.out / "timing.json", {"train_seconds": seconds})
         if after_fit is not None:
             after_fit()
-        job.log.finish(job.cfg.steps)
+        job.log.finish(getattr(job.cfg, "last_step", job.cfg.steps))  # --stop-after K: K
     finally:
         job.log.close()
 
@@ -123,6 +123,13 @@ def job_arg_parser(
     p.add_argument("--data", type=Path, default=d["data"])
     p.add_argument("--attn", default=d["attn"])
     p.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        metavar="K",
+        help="end after step K, the schedule still that of --steps (a rerun up to a step); 0: all",
+    )
+    p.add_argument(
         "--fingerprint-steps",
         type=_fingerprint_steps,
         default=[],
@@ -130,6 +137,15 @@ def job_arg_parser(
         help="hash every parameter and gradient at these steps: 1,5,10 or all",
     )
     return p
+
+
+def check_step_flags(cfg: Any) -> None:
+    """--trace-step and --stop-after name a step of the run (0: off), in one line if not."""
+    for flag in ("trace_step", "stop_after"):
+        value = getattr(cfg, flag)
+        if value < 0 or value > cfg.steps:
+            name = "--" + flag.replace("_", "-")
+            raise SystemExit(f"error: {name} must be in 0..{cfg.steps}, got {value}")
 
 
 def _fingerprint_steps(text: str) -> list[int] | str:

@@ -16,7 +16,7 @@ from worker.data.charcount import DATA_DIR, TOKENIZER_DIR, Encoded, load_tokeniz
 from worker.determinism import set_determinism
 from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
-from worker.entry import config_from_args, job_arg_parser
+from worker.entry import check_step_flags, config_from_args, job_arg_parser
 from worker.fingerprint import DataDigest
 from worker.losses import token_log_probs
 from worker.metrics_log import JobLog, write_manifest
@@ -60,12 +60,18 @@ class PPOConfig:
     attn: str = "sdpa"
     val_loss: str = "fixed"  # accepted for the harness's common flags; PPO has no val loss
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
+    trace_step: int = 0  # trace the actor's first update of this step into ops/; 0: off
+    stop_after: int = 0  # end after this step (the schedule stays that of `steps`); 0: every step
     batch_invariant: bool = False  # worker.batch_invariant's forward in every model
     logprob_chain: bool = False  # write the on-policy chain's log-probs (worker.onpolicy)
 
     @property
     def mini_batch_size(self) -> int:
         return self.ppo_mini_batch_size or max(1, self.global_batch_size // 2)
+
+    @property
+    def last_step(self) -> int:
+        return self.stop_after or self.steps
 
     @property
     def updates_per_step(self) -> int:
@@ -93,6 +99,10 @@ def parse_config(argv: list[str] | None = None) -> PPOConfig:
         default = getattr(PPOConfig, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     p.add_argument(
+        "--trace-step", type=int, default=0, metavar="K",
+        help="hash every op's output of the actor's first update of step K into ops/",
+    )  # fmt: skip
+    p.add_argument(
         "--batch-invariant", action="store_true",
         help="every model's forward gives a token the same bits whatever the batch, and in KV-"
         "cache decode as in a prefill (worker.batch_invariant; CPU, one thread per rank)",
@@ -112,6 +122,7 @@ def validate(cfg: PPOConfig) -> None:
     for name in ("steps", "global_batch_size", "ppo_epochs", "max_new_tokens", "micro_batch_size"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
+    check_step_flags(cfg)
     if not 0.0 < cfg.top_p <= 1.0 or cfg.top_k < 0 or not cfg.temperature > 0.0:
         raise SystemExit("error: --top-p must be in (0, 1], --top-k >= 0, --temperature > 0")
     if cfg.global_batch_size % cfg.mini_batch_size:
@@ -180,6 +191,7 @@ class PPOJob:
         for engine in (actor, critic, ref):
             engine.data_digest, engine.digest_kinds = digest, ("train", "rollout")
         actor.fingerprint_steps = critic.fingerprint_steps = cfg.fingerprint_steps
+        actor.trace_step, actor.trace_out = cfg.trace_step, cfg.out
         log = JobLog(cfg.out, d.rank, {"actor.": actor, "critic.": critic})
         job = cls(cfg, d, tokenizer, prompts, actor, critic, ref, log)
         if d.rank == 0:
@@ -196,7 +208,7 @@ class PPOJob:
     def rank_prompts(self):
         """(step, epoch, this rank's prompts): the same data order as SFT."""
         d, cfg = self.dist, self.cfg
-        steps = range(1, cfg.steps + 1)
+        steps = range(1, cfg.last_step + 1)
         order = step_order(
             len(self.prompts), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps
         )

@@ -22,6 +22,9 @@ What it writes into `args.output_dir` (or `out`):
   and its pre-clip gradient. Trainer runs no callback between the last backward and the clip
   (`on_pre_optimizer_step` comes after it), so this needs `attach`, which hooks the trainer's
   `accelerator.clip_grad_norm_` (called every step, with or without clipping).
+- ops/rank{r}.jsonl (every rank, with `trace_step=K`): every op of step K, from its first forward
+  to the end of its optimizer step (`on_step_begin` to `on_step_end`; parity.record.optrace), for
+  `parity.opdiff` to name the first op that differs from another run's trace of that step.
 A run resumed from a checkpoint continues its files from the checkpoint's step.
 
 Imports transformers (when this module is imported); `parity.record` itself needs only torch.
@@ -29,6 +32,7 @@ Imports transformers (when this module is imported); `parity.record` itself need
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,6 +62,7 @@ class ParityCallback(TrainerCallback):
         fingerprint_steps: str | Iterable[int] | None = None,
         metrics: bool = True,
         manifest: dict[str, Any] | None = None,
+        trace_step: int = 0,
     ):
         self.out = out
         self.fingerprint_steps = fingerprint_steps
@@ -69,6 +74,8 @@ class ParityCallback(TrainerCallback):
         self._hook = None
         self._pending: tuple[int, dict[str, Any]] | None = None  # a step's merged logs
         self._fingerprinted: int | None = None
+        self.trace_step = trace_step
+        self._trace: contextlib.ExitStack | None = None
 
     @classmethod
     def attach(cls, trainer, out: str | Path | None = None, **kwargs: Any) -> ParityCallback:
@@ -121,6 +128,18 @@ class ParityCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._flush()  # the last step's logs and evaluation are all in
+        if self.trace_step and state.global_step + 1 == self.trace_step and self._trace is None:
+            from parity.record.optrace import trace_ops
+
+            self._trace = contextlib.ExitStack()
+            out = self.recorder.out if self.recorder is not None else args.output_dir
+            trace = trace_ops(out, self.trace_step, self.model, rank=args.process_index)
+            self._trace.enter_context(trace)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._trace is not None:  # after the optimizer step and zero_grad: the step is whole
+            self._trace.close()
+            self._trace = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.recorder is None or not logs:

@@ -68,6 +68,14 @@ _PLAIN = {torch.Tensor, torch.nn.Parameter}
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def _clean(raw: str) -> str:
+    """ModTracker's module name without the root's class name and the wrappers' levels."""
+    parts = raw.split(".")[1:]  # the root's class name
+    while parts and parts[0] in ("module", "_orig_mod", "_fsdp_wrapped_module"):
+        parts = parts[1:]  # DDP's, compile's and FSDP1's wrappers
+    return ".".join(parts)
+
+
 def _hash(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     t = t.detach()
@@ -127,6 +135,7 @@ class OpTracer(TorchDispatchMode):
         self._counts: dict[tuple[str, str, str], int] = {}
         self.tracker = ModTracker()
         self._stack: contextlib.ExitStack | None = None
+        self._node_module: dict[Any, str] = {}  # autograd node -> the module whose forward made it
 
     def _module(self) -> str:
         names = [p for p in self.tracker.parents if p != "Global"]
@@ -134,11 +143,28 @@ class OpTracer(TorchDispatchMode):
             return ""
         # innermost; in backward sibling modules can be open together (ModTracker closes a module
         # when its inputs' gradients are done): the name breaks the tie, the same on both sides
-        inner = max(names, key=lambda n: (n.count("."), n))
-        parts = inner.split(".")[1:]  # the root's class name
-        while parts and parts[0] in ("module", "_orig_mod", "_fsdp_wrapped_module"):
-            parts = parts[1:]  # DDP's, compile's and FSDP1's wrappers
-        return ".".join(parts)
+        # (backward ops of a node made in a module's forward are labelled exactly: _label_graph)
+        return _clean(max(names, key=lambda n: (n.count("."), n)))
+
+    def _label_graph(self, module, inputs, output) -> None:
+        """After a module's forward: every autograd node its forward made (from its outputs back
+        to its inputs) belongs to it, unless an inner module's forward made it (their hooks run
+        first). In backward, the node running names the module: siblings never tie."""
+        if not torch.is_grad_enabled():
+            return
+        name = _clean(self.tracker._get_mod_name(module))
+        if not name:
+            return  # the root: its own ops keep ModTracker's label
+        stop = {t.grad_fn for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+        stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        seen: set = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in stop or node in seen:
+                continue
+            seen.add(node)
+            self._node_module.setdefault(node, name)
+            stack.extend(n for n, _ in node.next_functions)
 
     def _param(self, leaves: list) -> str | None:
         """The parameter (or gradient) a top-level op works on: what names clipping's and the
@@ -163,8 +189,11 @@ class OpTracer(TorchDispatchMode):
         if kinds:  # fake tensors (DTensor's sharding propagation) and other subclasses
             return func(*args, **kwargs)
         name = str(func)
-        backward = torch._C._current_autograd_node() is not None
+        node = torch._C._current_autograd_node()
+        backward = node is not None
         module = self._module()
+        if backward:
+            module = self._node_module.get(node, module)
         phase = "backward" if backward else ("forward" if module else "step")
         if backward:
             self._names = None  # gradients made since: map again
@@ -202,8 +231,11 @@ class OpTracer(TorchDispatchMode):
         return out
 
     def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook
+
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.tracker)
+        self._stack.callback(register_module_forward_hook(self._label_graph).remove)
         return super().__enter__()
 
     def __exit__(self, *exc):

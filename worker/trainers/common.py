@@ -21,7 +21,7 @@ from worker.data.charcount import (
 from worker.determinism import set_determinism
 from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
-from worker.entry import config_from_args, job_arg_parser
+from worker.entry import check_step_flags, config_from_args, job_arg_parser
 from worker.fingerprint import DataDigest
 from worker.metrics_log import JobLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
@@ -62,10 +62,15 @@ class SFTConfig:
     save_final: bool = False
     fingerprint_steps: list[int] | str = field(default_factory=list)  # or "all"
     trace_step: int = 0  # trace every op of this step into ops/ (parity.record.optrace); 0: off
+    stop_after: int = 0  # end after this step (the schedule stays that of `steps`); 0: every step
     chunks: int = 2  # the tinker trainer: forward_backward calls per step (rank share cut in k)
 
     def batching(self) -> BatchingConfig:
         return BatchingConfig.of(self, self.max_length)
+
+    @property
+    def last_step(self) -> int:
+        return self.stop_after or self.steps
 
     def optim(self) -> OptimConfig:
         return OptimConfig(
@@ -108,8 +113,7 @@ def validate(cfg: SFTConfig) -> None:
     """Impossible settings fail before any rank starts training, in one line."""
     if cfg.steps < 1:
         raise SystemExit(f"error: --steps must be >= 1, got {cfg.steps}")
-    if cfg.trace_step < 0 or cfg.trace_step > cfg.steps:
-        raise SystemExit(f"error: --trace-step must be in 0..{cfg.steps}, got {cfg.trace_step}")
+    check_step_flags(cfg)
     if cfg.chunks < 1:
         raise SystemExit(f"error: --chunks must be >= 1, got {cfg.chunks}")
     if cfg.val_samples < 0:  # val[:-1] would silently drop samples
@@ -182,7 +186,7 @@ class SFTJob:
     def rank_batches(self, start_step: int = 1):
         """(step, epoch, this rank's share) for steps start_step..steps."""
         d, cfg = self.dist, self.cfg
-        steps = range(start_step, cfg.steps + 1)
+        steps = range(start_step, cfg.last_step + 1)
         order = step_order(len(self.train), cfg.global_batch_size, d.rank, d.world, cfg.seed, steps)
         for step, epoch, chosen in order:
             self.engine.current_step = step  # which step a fingerprint belongs to

@@ -1,0 +1,133 @@
+"""After a pair diverged on the same batches: rerun both sides up to the first divergent step
+with every op of that step traced, and name the first op that differs (issue 24).
+
+The diagnosis of a pair says "same batches, numbers differ from step k" when the data matched and
+the numbers did not. Then `trace_first_divergence` reruns each side as it was run (same spec,
+mutants included) with `--trace-step k --stop-after k`: the schedule is still the full run's, the
+job only ends after step k. Where both sides saved their state before k (`--save-state-at s`),
+the reruns resume from the latest such state (`--resume`) instead of training from step 1. The two
+traces are compared by `parity.opdiff.compare_ops`.
+
+Only our jobs take these flags (charcount SFT and PPO; PPO traces the actor's first update of the
+step). A `custom` command cannot be asked for a trace: its loop wraps the step in
+`parity.record.trace_ops` itself, and the reason says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity.opdiff import OPS_DIR, OpDiff, compare_ops
+from parity.spec import JobSpec
+
+TRACEABLE = ("charcount-sft", "charcount-ppo")
+_STATE = re.compile(r"state_step(\d+)$")
+
+
+@dataclass
+class TraceRerun:
+    """What the reruns found: the op comparison, where they ran, and what they cost."""
+
+    ops: OpDiff = field(default_factory=OpDiff)
+    step: int | None = None
+    resumed_from: int | None = None  # the saved step both reruns started after
+    dirs: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    reason: str = ""  # why nothing was rerun
+
+    def line(self) -> str:
+        if self.reason:
+            return f"op trace not rerun: {self.reason}"
+        start = f"from the state saved at step {self.resumed_from}" if self.resumed_from else (
+            "from step 1")  # fmt: skip
+        text = f"op trace: both sides rerun {start} to step {self.step}, which was traced "
+        text += f"({self.seconds:.0f} s)"
+        if self.ops.status == "unavailable":  # else the ops line says what the traces show
+            text += f": {self.ops.detail}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step, "resumed_from": self.resumed_from, "dirs": self.dirs,
+            "seconds": self.seconds, "reason": self.reason, "line": self.line(),
+            "ops": self.ops.to_dict(),
+        }  # fmt: skip
+
+
+def saved_states(run_dir: Path) -> dict[int, Path]:
+    """The complete states a job saved (`--save-state-at`): step -> folder."""
+    out = {}
+    for p in Path(run_dir).glob("state_step*"):
+        m = _STATE.match(p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return out
+
+
+def traced_spec(spec: JobSpec, step: int, resume: Path | None) -> JobSpec:
+    """The spec rerun: trace `step`, end after it; resume from a saved state when given."""
+    overrides = {k: v for k, v in spec.overrides.items() if k not in ("save_state_at", "resume")}
+    overrides.update(trace_step=step, stop_after=step)
+    if resume is not None:
+        overrides["resume"] = str(resume)
+    return dataclasses.replace(spec, overrides=overrides)
+
+
+def trace_first_divergence(
+    spec_a: JobSpec,
+    spec_b: JobSpec,
+    dirs: tuple[Path, Path],
+    step: int | None,
+    out: Path,
+    *,
+    run_job=None,
+) -> TraceRerun:
+    """Rerun A and B (run before in `dirs`) up to `step` with it traced, into out/trace-{a,b}."""
+    if run_job is None:
+        from parity.runs import run_job
+    result = TraceRerun(step=step)
+    if step is None or step < 1:
+        result.reason = "the runs differ before their first training step"
+        return result
+    for spec in (spec_a, spec_b):
+        if spec.task not in TRACEABLE:
+            result.reason = (
+                f"task {spec.task!r} cannot be asked for a trace; wrap step {step} of the loop "
+                "in parity.record.trace_ops and run both sides again"
+            )
+            return result
+    if spec_a.task == "charcount-ppo" and any("resume" in s.overrides for s in (spec_a, spec_b)):
+        result.reason = "PPO jobs do not resume"
+        return result
+    states = [saved_states(d) for d in dirs]
+    common = sorted(s for s in set(states[0]) & set(states[1]) if s < step)
+    resumed = common[-1] if common else None
+    start = time.perf_counter()
+    for side, spec, saved in (("a", spec_a, states[0]), ("b", spec_b, states[1])):
+        folder = Path(out) / f"trace-{side}"
+        resume = saved[resumed] if resumed is not None else None
+        run_job(traced_spec(spec, step, resume), folder, label=f"trace {side} step {step}")
+        result.dirs[side] = str(folder)
+    result.seconds = time.perf_counter() - start
+    result.resumed_from = resumed
+    result.ops = compare_ops(Path(result.dirs["a"]), Path(result.dirs["b"]))
+    return result
+
+
+def install_traces(rerun: TraceRerun, run_dirs: dict[str, Path]) -> None:
+    """Copy each rerun's ops/ into the run folder it reran (atomically; an existing trace is
+    kept), so the diagnosis and the report of the pair find them where a traced run has them."""
+    for side, run_dir in run_dirs.items():
+        src, dst = Path(rerun.dirs[side]) / OPS_DIR, Path(run_dir) / OPS_DIR
+        if not src.is_dir() or dst.exists():
+            continue
+        tmp = dst.with_name(OPS_DIR + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        os.replace(tmp, dst)
