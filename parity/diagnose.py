@@ -503,6 +503,8 @@ class Diagnosis:
             out.append(self.fingerprints.line())
         if self.ops.line() and (self.verdict != "aligned" or self.ops.status != "same"):
             out.append(self.ops.line())
+            if self.ops.cost_line():
+                out.append(self.ops.cost_line())
         for side, agreement in self.ranks.items():
             out += [d.line(side) for d in agreement.disagreements]
         return out + self.errors

@@ -144,8 +144,17 @@ class OpDiff:
             text += "; its inputs already differ: weights, data or code outside the trace)"
         return text + extra
 
+    def cost_line(self) -> str:
+        """What tracing the step cost each side (rank shown): seconds inside it, ops, bytes."""
+        parts = [
+            f"{side} {c['seconds']:.1f} s, {c['ops']} ops, {c['bytes'] / 2**20:.1f} MiB"
+            for side, c in sorted(self.cost.items())
+            if c.get("seconds") is not None
+        ]
+        return f"op trace cost (rank {self.rank}): " + "; ".join(parts) if parts else ""
+
     def to_dict(self) -> dict[str, Any]:
-        return {**vars(self), "line": self.line()}
+        return {**vars(self), "line": self.line(), "cost_line": self.cost_line()}
 
 
 def _load_values(path: Path) -> dict:

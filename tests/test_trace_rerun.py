@@ -87,6 +87,7 @@ def test_pair_reruns_and_names_the_first_differing_op(tmp_path, capsys):
     assert (out / "a" / "ops").is_dir() and (out / "trace-b" / "ops").is_dir()
     report = (out / "report.md").read_text()
     assert "aten.mul.Tensor" in report and "op trace: both sides rerun" in report
+    assert "op trace cost (rank 0): a " in report  # the traced step's seconds, ops and size
 
 
 @pytest.mark.parity
