@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from parity.launch import LaunchError, survivors
-from parity.runs import run_pair
+from parity.pair import run_pair
 from parity.signals import Interrupted, cancellable, deferred
 from parity.spec import JobSpec, PairSpec
 

@@ -53,7 +53,7 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from parity.runs import run_pair, teardown_notes
+    from parity.pair import run_pair, teardown_notes
 
     if args.spec:
         loaded = load_spec(args.spec)

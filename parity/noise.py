@@ -16,9 +16,8 @@ from typing import Any
 import pandas as pd
 
 from parity.compare import Comparison, Policy, _json, _resolve, compare_frames
-from parity.spec import JobSpec
 
-__all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies", "measure_floor"]
+__all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies"]
 
 NONDETERMINISTIC = "nondeterministic"
 
@@ -121,25 +120,3 @@ def floor_from_frames(
     names = set(map(str, a.columns)) | set(map(str, repeat.columns))
     comparison = compare_frames(a, repeat, floor_policies(names, policies), **compare_kwargs)
     return NoiseFloor(comparison)
-
-
-def measure_floor(
-    spec: JobSpec,
-    out: Path,
-    policies: Mapping[str, Policy | str] | None = None,
-    *,
-    a: Any = None,
-) -> tuple[Any, Any, NoiseFloor]:
-    """Run ``spec`` (unless ``a``, a Run of it, is given) and its repeat under out/a-repeat.
-
-    Returns (A, A', floor); raises LaunchError when either run fails.
-    """
-    from parity.runs import run_job
-
-    out = Path(out).resolve()
-    if a is None:
-        a = run_job(spec, out / "a", label=f"A {spec.trainer}")
-    repeat = run_job(spec, out / "a-repeat", label=f"A' {spec.trainer}")
-    floor = floor_from_frames(a.metrics, repeat.metrics, policies)
-    floor.a_dir, floor.repeat_dir, floor.runs = a.dir, repeat.dir, (a, repeat)
-    return a, repeat, floor

@@ -187,7 +187,7 @@ class ParityRunner:
         noise_floor=True: A against a fresh repeat of A first (``result.floor``); if they differ,
         B is not run, ``result.b`` is the repeat and ``result.verdict`` "nondeterministic".
         """
-        from parity.runs import PairResult
+        from parity.pair import PairResult
 
         spec_a, spec_b = pair.sides()
         floor = None
@@ -230,7 +230,7 @@ class ParityRunner:
     def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
         """Both sides in one launch, always (cached as such): for tests of the mode itself."""
         from parity.inprocess import run_pair_in_process
-        from parity.runs import PairResult
+        from parity.pair import PairResult
 
         spec_a, spec_b = pair.sides()
         key = (self._key(spec_a), self._key(spec_b))

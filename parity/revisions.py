@@ -22,15 +22,10 @@ from typing import Any
 
 from parity.compare import Comparison, Policy
 from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
+from parity.pair import teardown_line, teardown_notes, teardown_verdict
 from parity.readers import read_metrics
 from parity.report import Report, build_report
-from parity.runs import (
-    end_record_written,
-    mark_teardown,
-    teardown_line,
-    teardown_notes,
-    teardown_verdict,
-)
+from parity.runs import end_record_written, mark_teardown
 from parity.signals import deferred
 from parity.spec import JobSpec
 

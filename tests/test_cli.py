@@ -134,7 +134,7 @@ def test_jobs_take_no_abbreviated_flags(tmp_path, capsys):
 def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeypatch, as_json):
     """A misspelled override reaches the job as a flag it does not know: exit 2 and one line
     naming the spec, not "run failed" (3). Other failures with exit code 2 stay failures."""
-    import parity.runs
+    import parity.pair
     from parity.launch import LaunchError, LaunchResult, RankFailure
 
     tail = _refusal_tail(tmp_path, capsys, "--val-sampels", "3")
@@ -147,7 +147,7 @@ def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeyp
         result.failures = failures
         raise LaunchError(result)
 
-    monkeypatch.setattr(parity.runs, "run_pair", refused)
+    monkeypatch.setattr(parity.pair, "run_pair", refused)
     args = ["pair", "--spec", str(spec), "--out", str(tmp_path / "out")] + ["--json"] * as_json
     failures[:] = [RankFailure(0, 2, None, tail), RankFailure(1, -15, "SIGTERM", "")]
     assert main(args) == 2

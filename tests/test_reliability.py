@@ -20,8 +20,9 @@ from helpers import interruptible, oracle_val_loss, procs_mentioning
 from parity.cli import EXIT_RUN_FAILED, main
 from parity.compare import compare_frames
 from parity.launch import LaunchError, LaunchResult, RankFailure, launch_nodes, survivors
+from parity.pair import PairResult
 from parity.readers import read_metrics
-from parity.runs import PairResult, Run, mark_teardown, run_job
+from parity.runs import Run, mark_teardown, run_job
 from parity.spec import JobSpec
 
 DUMMY = Path(__file__).with_name("dummy_job.py")

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from parity.compare import compare_frames
 from parity.launch import LaunchResult
-from parity.runs import PairResult, Run, write_summary
+from parity.pair import PairResult, write_summary
+from parity.runs import Run
 from parity.spec import JobSpec
 from worker.safe_checkpoint import SafeFileSystemReader
 
