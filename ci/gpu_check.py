@@ -393,7 +393,7 @@ def check_imports(ctx: Context) -> Result:
 
 
 def check_sft_pair(ctx: Context) -> Result:
-    from parity.runs import run_pair
+    from parity.pair import run_pair
     from parity.spec import PairSpec
 
     pair = PairSpec.from_trainers(ctx.sft(), "legacy", "worker")
@@ -435,7 +435,7 @@ def check_noise_floor(ctx: Context) -> Result:
 
 def check_in_process(ctx: Context) -> Result:
     """The pair in one launch: aligned, and each side bitwise its separate launch."""
-    from parity.runs import run_pair
+    from parity.pair import run_pair
     from parity.spec import PairSpec
 
     pair = PairSpec.from_trainers(ctx.sft(), "legacy", "worker")
@@ -469,7 +469,7 @@ def check_in_process(ctx: Context) -> Result:
 
 
 def check_ppo_pair(ctx: Context) -> Result:
-    from parity.runs import run_pair
+    from parity.pair import run_pair
     from parity.spec import PairSpec
 
     pair = PairSpec.from_trainers(ctx.ppo(), "legacy", "worker")
@@ -479,7 +479,8 @@ def check_ppo_pair(ctx: Context) -> Result:
 
 def check_bf16(ctx: Context) -> Result:
     """The SFT pair under bf16 autocast (one launch), and the bf16 run's floor against fp32."""
-    from parity.runs import run_job, run_pair
+    from parity.pair import run_pair
+    from parity.runs import run_job
     from parity.spec import PairSpec
 
     fp32_dir = ctx.runs / "sft-pair" / "b"
@@ -524,7 +525,7 @@ def check_bf16(ctx: Context) -> Result:
 def check_two_ranks(ctx: Context) -> Result:
     """Two ranks on the one device, with each backend/engine that might allow it."""
     from parity.launch import LaunchError
-    from parity.runs import run_pair
+    from parity.pair import run_pair
     from parity.spec import PairSpec
 
     if ctx.device == "cuda":

@@ -9,5 +9,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev,writers]'
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks
+"$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks ci
 exec "$VENV/bin/python" -m pytest "$@"
