@@ -94,7 +94,11 @@ def load_chain(run_dir: str | Path) -> Chain:
                 f"{folder}: step {step} has no file of rank(s) {missing} (world {world}); "
                 "no verdict from a partial read"
             )
-    return Chain(folder, sequences, meta, sorted(found))
+    steps = sorted(found)
+    gaps = sorted(set(range(steps[0], steps[-1] + 1)) - set(steps))
+    if gaps:
+        raise ChainError(f"{folder}: no file of step(s) {gaps}; no verdict from a partial read")
+    return Chain(folder, sequences, meta, steps)
 
 
 def _sequences(path: Path, step: int, rank: int, meta: dict, tensors: dict) -> list[Sequence]:

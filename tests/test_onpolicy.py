@@ -105,6 +105,16 @@ def test_partial_or_missing_chains_are_refused(tmp_path, capsys):
     assert main(["onpolicy", str(run)]) == 2  # bad input: one line, exit 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no verdict from a partial read" in err
+    _write(run, 3, 0)
+    _write(run, 3, 1)
+    _write(run, 5, 0)
+    _write(run, 5, 1)
+    _write(run, 2, 1)
+    with pytest.raises(ChainError, match=r"no file of step\(s\) \[4\]; no verdict from a partial"):
+        load_chain(run)
+    for step in (3, 5):
+        for rank in (0, 1):
+            (run / "onpolicy" / f"step{step:05d}-rank{rank}.safetensors").unlink()
     _write(run, 2, 1, drop="prefill")
     with pytest.raises(ChainError, match="rank1.safetensors: sequence 0 has no 'prefill'"):
         load_chain(run)

@@ -48,7 +48,7 @@ def mismatch_metrics(job: PPOJob, samples: list[RolloutSample]) -> dict[str, flo
         sums = torch.stack(
             [
                 diff.abs().sum(),
-                (trainer != rollout).sum().double(),  # float32 bits, not the float64 difference
+                (trainer != rollout).sum().double(),  # compared in float32, the sources' precision
                 k3.sum(),
                 torch.tensor(float(diff.numel()), dtype=torch.float64),
             ]
