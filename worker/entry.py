@@ -123,6 +123,14 @@ def job_arg_parser(
     p.add_argument("--data", type=Path, default=d["data"])
     p.add_argument("--attn", default=d["attn"])
     p.add_argument(
+        "--trace-step",
+        type=int,
+        default=0,
+        metavar="K",
+        help="hash every op's output of step K (forward, backward, clip, optimizer; PPO: the "
+        "actor's first update) into ops/",
+    )
+    p.add_argument(
         "--stop-after",
         type=int,
         default=0,

@@ -39,9 +39,11 @@ ROLLOUT_KINDS = (("", "rollout_log_probs"), ("processed_", "rollout_processed_lo
 def mismatch_metrics(job: PPOJob, samples: list[RolloutSample]) -> dict[str, float]:
     """The rollout-vs-trainer gap over every response token of the global batch."""
     device = job.dist.device
+    positions = [response_positions(s) for s in samples]
+    trainer = _response_values(samples, positions, "old_log_probs")
     metrics = {}
     for prefix, key in ROLLOUT_KINDS:
-        trainer, rollout = _response_values(samples, "old_log_probs", key)
+        rollout = _response_values(samples, positions, key)
         diff = trainer.double() - rollout.double()
         k3 = torch.expm1(diff) - diff
         peak = diff.abs().max() if diff.numel() else diff.new_zeros(())
@@ -64,13 +66,10 @@ def mismatch_metrics(job: PPOJob, samples: list[RolloutSample]) -> dict[str, flo
     return metrics
 
 
-def _response_values(samples: list[RolloutSample], *keys: str) -> list[torch.Tensor]:
-    """Each key's response-token values of every sample, concatenated (float32)."""
-    out = []
-    for key in keys:
-        parts = [s.extras[key][response_positions(s)].float() for s in samples]
-        out.append(torch.cat(parts) if parts else torch.zeros(0))
-    return out
+def _response_values(samples: list[RolloutSample], positions: list, key: str) -> torch.Tensor:
+    """The extra `key` at each sample's response positions, concatenated (float32)."""
+    parts = [s.extras[key][pos].float() for s, pos in zip(samples, positions, strict=True)]
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 # --- the chain's data ---------------------------------------------------------------------------
@@ -163,7 +162,7 @@ class ChainRecorder:
         cfg, d = job.cfg, job.dist
         with self.capture("prefill"):
             prefill = prefill_log_probs(job, samples)
-        layers = self._layer_fingerprints(samples, n)
+        layers = self._layer_fingerprints(samples)
         tensors = {}
         for i, s in enumerate(samples):
             pos = response_positions(s)
@@ -193,7 +192,7 @@ class ChainRecorder:
         os.replace(tmp, path)
         self.calls.clear()
 
-    def _layer_fingerprints(self, samples: list[RolloutSample], n: int) -> dict[str, list]:
+    def _layer_fingerprints(self, samples: list[RolloutSample]) -> dict[str, list]:
         """kind -> per sample [response tokens, layers] int64 fingerprints of the hidden state
         at the position predicting each response token, for every kind captured this step."""
         prompt = [len(s) - s.response_length for s in samples]

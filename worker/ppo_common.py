@@ -99,10 +99,6 @@ def parse_config(argv: list[str] | None = None) -> PPOConfig:
         default = getattr(PPOConfig, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     p.add_argument(
-        "--trace-step", type=int, default=0, metavar="K",
-        help="hash every op's output of the actor's first update of step K into ops/",
-    )  # fmt: skip
-    p.add_argument(
         "--batch-invariant", action="store_true",
         help="every model's forward gives a token the same bits whatever the batch, and in KV-"
         "cache decode as in a prefill (worker.batch_invariant; CPU, one thread per rank)",

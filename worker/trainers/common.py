@@ -92,13 +92,6 @@ def parse_config(argv: list[str] | None = None) -> SFTConfig:
     p.add_argument("--resume", type=Path, default=None)
     p.add_argument("--save-final", action="store_true", help="write final.safetensors (rank 0)")
     p.add_argument(
-        "--trace-step",
-        type=int,
-        default=0,
-        metavar="K",
-        help="hash every op's output of step K (forward, backward, clip, optimizer) into ops/",
-    )
-    p.add_argument(
         "--chunks",
         type=int,
         default=2,
