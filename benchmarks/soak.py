@@ -3,6 +3,12 @@ leftover process fails it.
 
     python benchmarks/soak.py --pairs 50             # on demand (about 25 s a pair on 2 cores)
     python benchmarks/soak.py --pairs 2 --json       # what the CI test runs
+    python benchmarks/soak.py --pairs 6 --reuse --contend   # one --out for all, a rival command
+
+--reuse runs every pair into the same folder (each must be judged on its own runs, not on what
+the one before left); --contend starts a second `parity pair` on that folder while each pair
+runs, which must be refused (exit 2, naming this process). Beside the pairs, a file of the
+user's in --out and a folder outside it, linked from --out, must come out untouched.
 
 Why: flakes (a rank that aborts at exit 1 time in 8, a port clash, an orphan worker) hide in
 single runs. Two of every three pairs are legacy vs worker, which must be "aligned"; the others
@@ -13,15 +19,19 @@ leave a process behind (checked by launch id and by children of this process).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from parity.launch import LaunchError, survivors
+from parity.outdir import LEDGER_DIR
 from parity.pair import run_pair
 from parity.signals import Interrupted, cancellable, deferred
 from parity.spec import JobSpec, PairSpec
@@ -56,16 +66,93 @@ def _children() -> list[int]:
     return found
 
 
-def soak(pairs: int, out: Path, steps: int = 3, log=print, records: list | None = None) -> dict:
+def _held(folder: Path) -> bool:
+    """Whether some command holds ``folder`` (parity.outdir's lock) right now."""
+    try:
+        fd = os.open(folder / LEDGER_DIR / "lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _contend(folder: Path, done: threading.Event, record: dict) -> None:
+    """Once ``folder`` is held, run a second `parity pair` on it; it must be refused (exit 2,
+    naming this process as the holder)."""
+    while not _held(folder):
+        if done.wait(0.05):
+            record["contended"] = "never held"
+            return
+    cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "1", "--steps", "1",
+           "--timeout", "5", "--out", str(folder)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    refused = proc.returncode == 2 and f"in use by pid {os.getpid()}" in proc.stderr
+    record["contended"] = "refused" if refused else f"exit {proc.returncode}: {proc.stderr[-200:]}"
+
+
+def _canary(out: Path) -> tuple[Path, Path]:
+    """A file of the user's in ``out`` and a folder outside it linked from ``out``."""
+    outside = Path(tempfile.mkdtemp(prefix="parity-soak-outside-"))
+    (outside / "keep.txt").write_text("the user's\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "notes.txt").write_text("the user's notes\n")
+    (out / "outside").symlink_to(outside)
+    return out / "notes.txt", outside
+
+
+def _untouched(notes: Path, outside: Path) -> bool:
+    try:
+        return (
+            notes.read_text() == "the user's notes\n"
+            and sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
+            and (outside / "keep.txt").read_text() == "the user's\n"
+        )
+    except OSError:
+        return False
+
+
+def soak(
+    pairs: int,
+    out: Path,
+    steps: int = 3,
+    log=print,
+    records: list | None = None,
+    *,
+    reuse: bool = False,
+    contend: bool = False,
+) -> dict:
     """Run ``pairs`` pairs into ``out``; returns the counts and one record per pair (appended to
-    ``records`` as each pair ends, if given: what an interruption leaves)."""
+    ``records`` as each pair ends, if given: what an interruption leaves). reuse: every pair
+    into one folder; contend: a rival command on it during each pair."""
     records = [] if records is None else records
+    notes, outside = _canary(out)
+    try:
+        summary = _soak(pairs, out, steps, log, records, reuse, contend)
+        summary["outside_touched"] = not _untouched(notes, outside)
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+    return summary
+
+
+def _soak(
+    pairs: int, out: Path, steps: int, log, records: list, reuse: bool, contend: bool
+) -> dict:
     for i in range(pairs):
         pair, expected = plan(i, steps)
         start = time.monotonic()
         launches, record = [], {"pair": i, "expected": expected}
+        folder = out / ("pair" if reuse else f"pair{i:03d}")
+        done = threading.Event()
+        rival = threading.Thread(target=_contend, args=(folder, done, record), daemon=True)
+        if contend:
+            rival.start()
         try:
-            result = run_pair(pair, out / f"pair{i:03d}")
+            result = run_pair(pair, folder)
             launches = [result.a.launch, result.b.launch]
             record["verdict"] = result.verdict
             if result.teardown:
@@ -73,11 +160,16 @@ def soak(pairs: int, out: Path, steps: int = 3, log=print, records: list | None 
         except LaunchError as e:
             launches = [e.result]
             record.update(verdict="failed", reason=e.result.reason, error=str(e).splitlines()[0])
+        finally:
+            done.set()
+            if contend:
+                rival.join()
         ids = [n.launch_id for r in launches for n in (list(r.nodes.values()) or [r])]
         record["leftovers"] = sorted({p for lid in ids for p in survivors(lid)} | set(_children()))
         record["seconds"] = round(time.monotonic() - start, 1)
         records.append(record)
-        flag = "" if record["verdict"] == expected and not record["leftovers"] else "  <-- WRONG"
+        wrong = record["verdict"] != expected or record["leftovers"]
+        flag = "  <-- WRONG" if wrong or record.get("contended", "refused") != "refused" else ""
         log(f"pair {i + 1}/{pairs}: expected {expected}, got {record['verdict']} "
             f"({record['seconds']} s){flag}")  # fmt: skip
     return {
@@ -85,6 +177,7 @@ def soak(pairs: int, out: Path, steps: int = 3, log=print, records: list | None 
         "false_verdicts": sum(r["verdict"] not in (r["expected"], "failed") for r in records),
         "failed": sum(r["verdict"] == "failed" for r in records),
         "leftovers": sum(bool(r["leftovers"]) for r in records),
+        "not_refused": sum(r.get("contended", "refused") != "refused" for r in records),
         "records": records,
     }
 
@@ -95,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="training steps per job (cheap: 2-3)")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: temp)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--reuse", action="store_true", help="every pair into one folder")
+    p.add_argument(
+        "--contend", action="store_true", help="a second command on the folder during each pair"
+    )
     args = p.parse_args(argv)
     if args.pairs < 1 or args.steps < 1:
         print("soak: error: --pairs and --steps must be >= 1", file=sys.stderr)
@@ -108,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 with deferred():  # a signal waits for `out`, which the finally then removes
                     out = Path(tempfile.mkdtemp(prefix="parity-soak-"))
             summary = soak(
-                args.pairs, out, args.steps, lambda s: print(s, file=sys.stderr), records
-            )
+                args.pairs, out, args.steps, lambda s: print(s, file=sys.stderr), records,
+                reuse=args.reuse, contend=args.contend,
+            )  # fmt: skip
         except Interrupted as e:
             if not owner:  # an outer handler reports it
                 raise
@@ -122,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
                 with deferred():
                     shutil.rmtree(out, ignore_errors=True)
     bad = summary["false_verdicts"] + summary["failed"] + summary["leftovers"]
+    bad += summary["not_refused"] + summary["outside_touched"]
     if args.json:
         print(json.dumps(summary))
     else:
         print(
             f"soak: {summary['pairs']} pairs, {summary['false_verdicts']} false verdicts, "
-            f"{summary['failed']} failed, {summary['leftovers']} with leftover processes"
+            f"{summary['failed']} failed, {summary['leftovers']} with leftover processes, "
+            f"{summary['not_refused']} rival commands not refused, outside --out "
+            f"{'TOUCHED' if summary['outside_touched'] else 'untouched'}"
         )
     return 1 if bad else 0
 

@@ -1,8 +1,13 @@
 """`parity bisect`: the first commit whose run leaves the good revision's numbers.
 
-The good revision's run is the reference. ``git bisect run`` then tests commits in a temporary
-``git worktree`` of its own, with the harness as the test: each commit's run is compared with the
-reference under the spec's policies (aligned: good, diverged: bad, a failed run: skip, 125).
+The good revision's run is the reference. The bisection is driven from this process, with the
+harness as the test: ``git bisect start BAD GOOD`` in a temporary ``git worktree`` of its own,
+then, for each commit git checks out there, the spec is run and compared with the reference under
+the spec's policies, and git is answered ``good`` (aligned), ``bad`` (diverged) or ``skip`` (the
+run failed), until it names the first bad commit. Every git call is an argument list: nothing
+runs through a shell (``git bisect run`` would run its test through ``sh -c``), and a Ctrl-C,
+SIGTERM or SIGHUP takes the one path of parity.signals: the running launch is stopped
+(parity.launch), the worktree's bisect state reset and the worktree removed.
 
 The user's repository is left exactly as it was: the worktree has its own HEAD and its own
 bisect state (``refs/bisect/*`` and ``BISECT_*`` are per worktree), hooks and auto-gc are off,
@@ -11,48 +16,32 @@ and the worktree is reset, removed and pruned whatever happens, Ctrl-C included.
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import re
-import signal
-import subprocess
 import sys
-import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import parity
+import pandas as pd
+
 from parity.compare import Comparison, MetricResult, Policy, _json, compare_frames
-from parity.files import write_json_atomic, write_text_atomic
-from parity.launch import LaunchError, carrying, kill_carrying
-from parity.readers import MetricsError, read_metrics
+from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
+from parity.launch import LaunchError
+from parity.outdir import OutDir
+from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
 from parity.revisions import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
 from parity.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 
-__all__ = ["BisectResult", "TestedCommit", "bisect", "first_divergence", "step_main"]
+__all__ = ["BisectResult", "TestedCommit", "bisect", "first_divergence"]
 
-GOOD, BAD, SKIP, ABORT = 0, 1, 125, 255  # `git bisect run` exit codes of the test command
 _QUIET_GIT = ("-c", "core.hooksPath=/dev/null", "-c", "gc.auto=0")
-_MARKER_ENV = "PARITY_BISECT_ID"  # marks every process of one `git bisect run`
+_ANSWER = {"aligned": "good", "diverged": "bad"}  # anything else, a failed run: "skip"
 _FIRST_BAD = re.compile(r"^([0-9a-f]{40}) is the first bad commit", re.MULTILINE)
-_ANY_OF = re.compile(r"first bad commit could be any of:\n((?:[0-9a-f]{40}\n?)+)")
-
-# The test command `git bisect run` executes in the worktree. `-P` and the explicit path keep the
-# worktree's own files (it may be this very repository) off the harness's import path; any error
-# before the comparison exits 255, which stops the bisection instead of marking a commit bad.
-_STEP = """\
-import sys
-sys.path.insert(0, sys.argv.pop(1))
-try:
-    from parity.bisect import step_main
-except BaseException as e:
-    print(f"parity bisect: cannot import the harness: {e}", file=sys.stderr)
-    sys.exit(255)
-sys.exit(step_main(sys.argv[1:]))
-"""
+_STEPS_LEFT = re.compile(r"\(roughly (\d+) steps?\)")
+_ONLY_SKIPPED = "# only skipped commits left to test"  # git bisect log, when it cannot go on
+_POSSIBLE = re.compile(r"^# possible first bad commit: \[([0-9a-f]{40})\]", re.MULTILINE)
 
 
 @dataclass
@@ -133,6 +122,34 @@ def first_divergence(comparison: Comparison) -> MetricResult | None:
     return min(failures, key=key)
 
 
+@dataclass(frozen=True)
+class _Reading:
+    """How the reference and every tested run are read and compared: `parity compare`'s
+    options (format, run, duplicates, allow_skipped), the same for both sides."""
+
+    fmt: str | None = None
+    run: str | None = None
+    duplicates: str = "error"
+    allow_skipped: bool = False
+
+    def check(self) -> None:
+        """A bad option fails before the first launch, not after the reference run."""
+        if self.fmt is not None and self.fmt not in FORMATS:
+            raise SpecError(f"unknown metrics format {self.fmt!r}; expected one of "
+                            f"{', '.join(FORMATS)}")  # fmt: skip
+        if self.duplicates not in DUPLICATE_RULES:
+            raise SpecError(f"unknown duplicates rule {self.duplicates!r}; expected one of "
+                            f"{', '.join(DUPLICATE_RULES)}")  # fmt: skip
+
+    def frame(self, path: Path) -> pd.DataFrame:
+        return read_metrics(path, self.fmt, run=self.run, duplicates=self.duplicates)
+
+    def compare(self, a: Path, b: Path, policies: dict[str, Policy | str]) -> Comparison:
+        return compare_frames(
+            self.frame(a), self.frame(b), policies, allow_skipped=self.allow_skipped
+        )
+
+
 def _git(repo: Path, *args: str) -> str:
     from parity.revisions import _git as git
 
@@ -150,6 +167,7 @@ def _test_commit(
     out: Path,
     policies: dict[str, Policy | str],
     skip_failed: bool = True,
+    reading: _Reading | None = None,
 ) -> TestedCommit:
     """Run the spec in ``tree`` (at some commit), compare with the reference, record the verdict
     in out/commits/<sha>/verdict.json. A failed or unreadable run is "skipped" (with
@@ -158,8 +176,8 @@ def _test_commit(
     run_dir = out / "commits" / commit[:12]
     tested = TestedCommit(commit, _subject(tree, commit), "skipped", run=str(run_dir))
     try:
-        run_in_tree(spec, tree, run_dir)
-        comparison = compare_frames(read_metrics(reference), read_metrics(run_dir), policies)
+        run_in_tree(spec, tree, run_dir, label=f"commit {commit[:12]}")
+        comparison = (reading or _Reading()).compare(reference, run_dir, policies)
     except (LaunchError, MetricsError) as e:
         if not skip_failed:
             raise
@@ -175,63 +193,42 @@ def _test_commit(
     return tested
 
 
-def step_main(argv: list[str]) -> int:
-    """The `git bisect run` test: 0 aligned, 1 diverged, 125 run failed, 255 harness error."""
-    try:
-        args = dict(zip(argv[::2], argv[1::2], strict=True))
-        config = json.loads(Path(args["--config"]).read_text())
-        spec = JobSpec.from_dict(config["spec"], "bisect spec")
-        tested = _test_commit(
-            spec, Path.cwd(), Path(config["reference"]), Path(config["out"]), config["policies"]
+@dataclass
+class _Bisection:
+    """One bisection's fixed inputs, and the commits tested so far (in test order)."""
+
+    spec: JobSpec
+    reference: Path
+    out: Path
+    policies: dict[str, Policy | str]
+    reading: _Reading
+    good: str
+    bad: str
+    total: int  # about how many commits it tests, the bad one included (for progress lines)
+    tested: dict[str, TestedCommit] = field(default_factory=dict)
+
+    def test(self, tree: Path, skip_failed: bool = True) -> TestedCommit:
+        """Test the commit checked out in ``tree``; one progress line on stderr."""
+        t = _test_commit(
+            self.spec, tree, self.reference, self.out, self.policies, skip_failed, self.reading
         )
-    except BaseException as e:  # Ctrl-C included: stop the bisection, never mark a commit
-        print(f"parity bisect: harness error: {type(e).__name__}: {e}", file=sys.stderr)
-        return ABORT
-    print(f"parity bisect: {tested.commit[:12]} {tested.verdict}", file=sys.stderr)
-    return {"aligned": GOOD, "diverged": BAD}.get(tested.verdict, SKIP)
+        self.tested[t.commit] = t
+        self.total = max(self.total, len(self.tested))
+        _say(f"[{len(self.tested)}/~{self.total}] {t.commit[:12]} {t.subject}: {t.verdict}")
+        return t
+
+    def result(self, verdict: str, **kw: Any) -> BisectResult:
+        tested = list(self.tested.values())
+        return BisectResult(verdict, self.good, self.bad, self.out, tested=tested, **kw)
 
 
-def _run_bisect(tree: Path, config: Path) -> str:
-    """``git bisect run`` the step in its own process group; on Ctrl-C, SIGTERM, SIGHUP
-    (parity.signals) or any error, `_stop` stops it and everything it started."""
-    harness_root = str(Path(parity.__file__).resolve().parent.parent)
-    cmd = ["git", "-C", str(tree), *_QUIET_GIT, "bisect", "run"]
-    cmd += [sys.executable, "-P", "-c", _STEP, harness_root, "--config", str(config)]
-    marker = uuid.uuid4().hex  # in the environment of every process the bisection starts
-    proc = None
-    try:
-        with deferred():  # a signal waits for `proc`, which it then stops
-            proc = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,
-                env={**os.environ, _MARKER_ENV: marker},
-            )
-        output, _ = proc.communicate()
-    except BaseException:
-        if proc is not None:
-            with deferred():
-                _stop(proc, marker)
-        raise
-    return output
-
-
-def _stop(proc: subprocess.Popen, marker: str, grace_s: float = 30.0) -> None:
-    """SIGINT to git bisect run's group, so that the step's launcher tears its job down (its
-    torchrun is in a session of its own); whatever still carries ``marker`` after ``grace_s``
-    (git, the step, the job's torchrun and ranks) is killed."""
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-    except (ProcessLookupError, PermissionError):
-        pass
-    deadline = time.monotonic() + grace_s
-    while carrying(_MARKER_ENV, marker) and time.monotonic() < deadline:
-        proc.poll()  # reap git as soon as it exits
-        time.sleep(0.1)
-    kill_carrying(_MARKER_ENV, marker, proc)
+def _job_spec(spec: JobSpec | str | Path) -> JobSpec:
+    if isinstance(spec, JobSpec):
+        return spec
+    loaded = load_spec(spec)
+    if not isinstance(loaded, JobSpec):
+        raise SpecError(f"{spec}: bisect runs one job spec, not an [a]/[b] pair")
+    return loaded
 
 
 def bisect(
@@ -242,18 +239,22 @@ def bisect(
     *,
     repo: Path | None = None,
     policies: dict[str, Policy | str] | None = None,
+    fmt: str | None = None,
+    run: str | None = None,
+    duplicates: str = "error",
+    allow_skipped: bool = False,
 ) -> BisectResult:
     """Find the first commit in good..bad whose run diverges from good's run.
 
     Writes the reference run to out/good, each tested commit's run and verdict.json to
-    out/commits/<sha>, and out/bisect.json and out/bisect.log. Raises RevisionError (bad repo or
+    out/commits/<sha>, and out/bisect.json and out/bisect.log; one progress line per tested
+    commit on stderr. fmt, run, duplicates, allow_skipped: how the reference and each tested run
+    are read and compared, as `parity compare` takes them. Raises RevisionError (bad repo or
     revisions), SpecError, or LaunchError when the good or the bad revision's run fails.
     """
-    if not isinstance(spec, JobSpec):
-        loaded = load_spec(spec)
-        if not isinstance(loaded, JobSpec):
-            raise SpecError(f"{spec}: bisect runs one job spec, not an [a]/[b] pair")
-        spec = loaded
+    reading = _Reading(fmt, run, duplicates, allow_skipped)
+    reading.check()
+    spec = _job_spec(spec)
     root = repo_root(Path(repo or Path.cwd()))
     good_c, bad_c = resolve_revision(root, good), resolve_revision(root, bad)
     if good_c == bad_c:
@@ -263,64 +264,100 @@ def bisect(
     except RevisionError:
         raise RevisionError(f"good {good!r} is not an ancestor of bad {bad!r}") from None
     out = Path(out).resolve()
-    for stale in out.glob("commits/*/verdict.json"):  # an earlier bisect's verdicts
-        stale.unlink()
-    policies = {k: str(v) for k, v in (policies or {}).items()}
+    with OutDir.open(out) as held:
+        held.claim(*BISECT_ENTRIES)  # an earlier bisect's runs and verdicts go; the user's stay
+        held.make_dir("commits")
+        return _bisect(spec, root, good_c, bad_c, out, policies, reading)
+
+
+#: what a bisection writes in its folder: the reference run, the tested commits' runs and
+#: verdicts, the result and git's log
+BISECT_ENTRIES = ("good", "good" + LAUNCH_SUFFIX, "commits", "bisect.json", "bisect.log")
+
+
+def _bisect(
+    spec: JobSpec,
+    root: Path,
+    good_c: str,
+    bad_c: str,
+    out: Path,
+    policies: dict[str, Policy | str] | None,
+    reading: _Reading,
+) -> BisectResult:
     reference = out / "good"
     with worktree(root, good_c) as tree:
         _say(f"reference run of good {good_c[:12]} {_subject(root, good_c)}")
-        run_in_tree(spec, tree, reference)
-    if read_metrics(reference).attrs.get("complete") is False:  # fail once, not in every step
+        run_in_tree(spec, tree, reference, label=f"good {good_c[:12]}")
+    if reading.frame(reference).attrs.get("complete") is False:  # fail once, not in every step
         raise MetricsError(f"{reference / 'metrics.jsonl'}: the good run is incomplete")
-    config = out / "bisect-config.json"
-    settings = {"spec": spec.to_dict(), "reference": str(reference), "out": str(out)}
-    write_json_atomic(config, {**settings, "policies": policies})
+    state = _Bisection(
+        spec, reference, out, dict(policies or {}), reading, good_c, bad_c,
+        _expected_tests(root, good_c, bad_c),
+    )  # fmt: skip
     with worktree(root, bad_c) as tree:
         _say(f"checking that bad {bad_c[:12]} diverges")
-        first = _test_commit(spec, tree, reference, out, policies, skip_failed=False)
-        if first.verdict == "aligned":
-            result = BisectResult("aligned", good_c, bad_c, out, tested=[first])
+        if state.test(tree, skip_failed=False).verdict == "aligned":
+            result = state.result("aligned")
         else:
-            result = _bisect_in(tree, good_c, bad_c, out, config)
+            result = _bisect_in(tree, state)
     write_json_atomic(out / "bisect.json", result.to_dict())
     return result
 
 
-def _bisect_in(tree: Path, good_c: str, bad_c: str, out: Path, config: Path) -> BisectResult:
+def _expected_tests(root: Path, good_c: str, bad_c: str) -> int:
+    """About how many commits a bisection tests: the bad one, then log2 of the other candidates."""
+    candidates = int(_git(root, "rev-list", "--count", f"{good_c}..{bad_c}"))
+    return 1 + max(candidates - 1, 0).bit_length()
+
+
+def _bisect_in(tree: Path, state: _Bisection) -> BisectResult:
+    """Bisect in ``tree``, whose own bisect state is reset at the end whatever happens: test the
+    commit git checked out, answer git, until it names the first bad commit (or only commits
+    whose run failed are left: "ambiguous", with git's candidates)."""
     try:
-        _git(tree, "bisect", "start", bad_c, good_c, "--")
-        _say("git bisect run: each commit's run against the reference")
-        output = _run_bisect(tree, config)
-        try:
-            write_text_atomic(out / "bisect.log", _git(tree, "bisect", "log") + "\n")
-        except RevisionError:
-            pass
+        output = _bisect_git(tree, "start", state.bad, state.good, "--")
+        while (found := _FIRST_BAD.search(output)) is None:
+            left = _STEPS_LEFT.search(output)
+            if left:  # the commit checked out now, then about `left` more
+                state.total = len(state.tested) + 1 + int(left[1])
+            tested = state.test(tree)
+            try:
+                output = _bisect_git(tree, _ANSWER.get(tested.verdict, "skip"))
+            except RevisionError:
+                candidates = _only_skipped_left(tree)
+                if candidates is None:
+                    raise
+                _save_log(tree, state.out)
+                return state.result("ambiguous", candidates=candidates)
+        _save_log(tree, state.out)
     finally:  # the worktree's own bisect state; removing the worktree drops it anyway
-        with deferred():
-            subprocess.run(
-                ["git", "-C", str(tree), *_QUIET_GIT, "bisect", "reset", "--quiet"],
-                capture_output=True,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-    tested = {}
-    for path in sorted((out / "commits").glob("*/verdict.json")):
-        t = TestedCommit(**json.loads(path.read_text()))
-        tested[t.commit] = t
-    found = _FIRST_BAD.search(output)
-    if found:
-        culprit = tested.get(found[1])
-        if culprit is None:
-            raise RevisionError(f"git bisect named {found[1]}, which was never tested")
-        return BisectResult("found", good_c, bad_c, out, culprit, tested=list(tested.values()))
-    maybe = _ANY_OF.search(output)
-    if maybe:
-        candidates = maybe[1].split()
-        return BisectResult(
-            "ambiguous", good_c, bad_c, out, candidates=candidates, tested=list(tested.values())
-        )
-    last = [line for line in output.strip().splitlines() if line.strip()]
-    raise RevisionError(f"git bisect run stopped: {last[-1] if last else 'no output'}")
+        with deferred(), contextlib.suppress(RevisionError):
+            _git(tree, "bisect", "reset", "--quiet")
+    culprit = state.tested.get(found[1])
+    if culprit is None:
+        raise RevisionError(f"git bisect named {found[1]}, which was never tested")
+    return state.result("found", first_bad=culprit)
+
+
+def _bisect_git(tree: Path, *args: str) -> str:
+    """One `git bisect` command; a signal waits for it (git killed half-way through a checkout
+    would leave the worktree's index locked)."""
+    with deferred():
+        return _git(tree, "bisect", *args)
+
+
+def _only_skipped_left(tree: Path) -> list[str] | None:
+    """When git stopped because only skipped commits are left: the commits it says may be the
+    first bad one (from its bisect log); None when it stopped for another reason."""
+    log = _git(tree, "bisect", "log")
+    if _ONLY_SKIPPED not in log:
+        return None
+    return _POSSIBLE.findall(log)
+
+
+def _save_log(tree: Path, out: Path) -> None:
+    with contextlib.suppress(RevisionError):
+        write_text_atomic(out / "bisect.log", _git(tree, "bisect", "log") + "\n")
 
 
 def _say(text: str) -> None:

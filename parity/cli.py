@@ -1,34 +1,49 @@
 """`parity`: run matched pairs, compare metric files, write reports, check git revisions.
 
-Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format, a partial read), 3 a run
-failed, 4 nondeterministic (pair --noise-floor: side A run twice differed). bisect: 1 when it
-names the first diverging commit, 0 when bad is aligned with good. Stopped by a signal: 130
-(SIGINT), 143 (SIGTERM), 129 (SIGHUP); output into a closed pipe: 141.
+Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format, a partial read, a path that
+cannot be read or written: one line `parity: error: ...`), 3 a run failed, 4 nondeterministic
+(pair --noise-floor: side A run twice differed), 70 an internal error (a bug of ours: one line
+`parity: internal error, please report: ...`, then the traceback). bisect: 1 when it names the
+first diverging commit, 0 when bad is aligned with good. Stopped by a signal: 130 (SIGINT), 143
+(SIGTERM), 129 (SIGHUP); output into a closed pipe: 141. No other code: 1 is only "diverged".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import traceback
 from pathlib import Path
 
 from parity.compare import Comparison, Policy, compare_frames
 from parity.launch import LaunchError
+from parity.outdir import OutDir
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
+from parity.readers.frame import clip_message
 from parity.report import build_report, write_report
-from parity.spec import JobSpec, PairSpec, SpecError, load_policies, load_spec
+from parity.spec import (
+    JobSpec,
+    PairSpec,
+    SpecError,
+    load_policies,
+    load_read_options,
+    load_spec,
+)
 
 EXIT_ALIGNED, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 EXIT_NONDETERMINISTIC = 4  # pair --noise-floor: side A run twice differed
+EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug of ours, never 1 ("diverged")
 
 
 def _policies(items: list[str]) -> dict[str, Policy]:
+    """METRIC=POLICY, split on the last '=' (a policy has none; a metric name may)."""
     out = {}
     for item in items:
-        name, sep, text = item.partition("=")
+        name, sep, text = item.rpartition("=")
         if not sep or not name:
-            raise SpecError(f"--policy expects METRIC=POLICY, got {item!r}")
+            raise SpecError(f"--policy expects METRIC=POLICY, got {item[:200]!r}")
         out[name] = Policy.parse(text)
     return out
 
@@ -53,8 +68,6 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    from parity.pair import run_pair, teardown_notes
-
     if args.spec:
         loaded = load_spec(args.spec)
         pair = (
@@ -84,6 +97,13 @@ def cmd_pair(args: argparse.Namespace) -> int:
             {**pair.b, "inject": args.inject_b or pair.b.get("inject", [])},
         )
     policies = _with_spec(_policies(args.policy), args.spec)
+    with OutDir.open(args.out):  # the rerun and the report below are part of this command
+        return _pair(args, pair, policies)
+
+
+def _pair(args: argparse.Namespace, pair: PairSpec, policies: dict) -> int:
+    from parity.pair import run_pair, teardown_notes
+
     result = run_pair(
         pair,
         Path(args.out),
@@ -214,7 +234,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         read_a=_read_options(args, "a"),
         read_b=_read_options(args, "b"),
     )
-    md = report.write(Path(args.out))
+    with OutDir.open(args.out) as held:
+        held.claim("report.md", "report.html")
+        md = report.write(Path(args.out))
     html = md.with_name("report.html")
     if args.json:
         extra = {"report": str(html), "report_md": str(md)}
@@ -235,18 +257,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not isinstance(loaded, JobSpec):
         raise SpecError(f"{args.spec}: check runs one job spec on both sides, not an [a]/[b] pair")
     out, policies = Path(args.out), _with_spec(_policies(args.policy), args.spec)
+    read = _run_read_options(args)
     if args.golden is not None:
         if args.base or args.head:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
-        result = check_golden(
-            loaded, Path(args.golden), out, policies=policies,
-            allow_teardown_failure=args.allow_teardown_failure,
-        )  # fmt: skip
+        with OutDir.open(out):
+            result = check_golden(
+                loaded, Path(args.golden), out, policies=policies, read=read,
+                allow_teardown_failure=args.allow_teardown_failure,
+            )  # fmt: skip
     elif args.base:
-        result = check_revisions(
-            loaded, args.base, args.head, out, policies=policies,
-            allow_teardown_failure=args.allow_teardown_failure,
-        )  # fmt: skip
+        with OutDir.open(out):
+            result = check_revisions(
+                loaded, args.base, args.head, out, policies=policies, read=read,
+                allow_teardown_failure=args.allow_teardown_failure,
+            )  # fmt: skip
     else:
         raise SpecError("check needs --base REV (and optionally --head REV) or --golden FILE")
     html = result.report.with_name("report.html")
@@ -260,11 +285,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     return _report_teardown(result, args.json, extra)
 
 
+def _run_read_options(args: argparse.Namespace) -> dict:
+    """How check and bisect read each side: the spec's [read] table, then the flags given."""
+    read = load_read_options(args.spec)
+    given = {
+        "format": args.format, "run": args.run, "duplicates": args.duplicates,
+        "allow_skipped": args.allow_skipped or None,
+    }  # fmt: skip
+    return {**read, **{k: v for k, v in given.items() if v is not None}}
+
+
 def cmd_bisect(args: argparse.Namespace) -> int:
     from parity.bisect import bisect
 
     policies = _with_spec(_policies(args.policy), args.spec)
-    result = bisect(args.spec, args.good, args.bad, Path(args.out), policies=policies)
+    read = _run_read_options(args)
+    with OutDir.open(args.out):
+        result = bisect(
+            args.spec, args.good, args.bad, Path(args.out), policies=policies,
+            fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
+            allow_skipped=read["allow_skipped"],
+        )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
     else:
@@ -302,8 +343,33 @@ def _run_onpolicy_job(args: argparse.Namespace) -> Path:
         inject=args.inject,
     )  # fmt: skip
     out = Path(args.out)
-    run_job(spec, out, label=f"onpolicy {args.trainer}")
+    with OutDir.open(out.parent):
+        run_job(spec, out, label=f"onpolicy {args.trainer}")
     return out
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    """Print the commented example spec, or check a spec file and print the job(s) it gives."""
+    from parity.launch import masked_env
+    from parity.spec import EXAMPLE
+
+    if args.example:
+        print(EXAMPLE, end="")
+        return 0
+    if args.file is None:
+        raise SpecError("spec needs a FILE to check, or --example")
+    loaded = load_spec(args.file)
+    load_policies(args.file)
+    load_read_options(args.file)
+    def shown(spec: JobSpec) -> dict:
+        return {**spec.to_dict(), "env": masked_env(spec.env)}
+
+    if isinstance(loaded, PairSpec):
+        a, b = loaded.sides()
+        print(json.dumps({"a": shown(a), "b": shown(b)}, indent=2))
+    else:
+        print(json.dumps(shown(loaded), indent=2))
+    return 0
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -389,15 +455,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     check.add_argument("--out", default="runs/check", help="run folders and report")
     check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
+    _run_read_arguments(check)
     check.set_defaults(func=cmd_check)
 
     bis = sub.add_parser(
-        "bisect", help="git bisect run with the harness as the test: the first diverging commit"
+        "bisect", help="git bisect driven by the harness: the first commit whose run diverges"
     )
     bis.add_argument("--good", required=True, help="revision whose run is the reference")
     bis.add_argument("--bad", required=True, help="a later revision whose run diverges")
     bis.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
+    _run_read_arguments(bis)
     bis.set_defaults(func=cmd_bisect)
 
     onpolicy = sub.add_parser(
@@ -431,6 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
     onpolicy.add_argument("--json", action="store_true", help="print one JSON object")
     onpolicy.set_defaults(func=cmd_onpolicy)
 
+    spec = sub.add_parser(
+        "spec", help="check a job spec without running it, or print a commented example"
+    )
+    spec.add_argument("file", nargs="?", type=Path, help="a TOML/YAML spec to check")
+    spec.add_argument(
+        "--example", action="store_true", help="print a spec with every key and its default"
+    )
+    spec.set_defaults(func=cmd_spec)
+
     mutants = sub.add_parser("mutants", help="list the mutant catalogue")
     mutants.add_argument("--catalogue", default="worker.mutants")
     mutants.set_defaults(func=cmd_mutants)
@@ -439,6 +516,22 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--policy", action="append", default=[], metavar="METRIC=POLICY")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _run_read_arguments(parser: argparse.ArgumentParser) -> None:
+    """How check and bisect read each side's run folder (default: the spec's [read] table)."""
+    parser.add_argument("--format", choices=FORMATS, help="default: detected per side")
+    parser.add_argument("--run", help="the run to read in a folder holding several")
+    parser.add_argument(
+        "--duplicates",
+        choices=DUPLICATE_RULES,
+        help="a step logged twice with other values: error (default), first or last",
+    )
+    parser.add_argument(
+        "--allow-skipped",
+        action="store_true",
+        help="compare although a reader skipped records it could not use",
+    )
 
 
 def _read_arguments(parser: argparse.ArgumentParser) -> None:
@@ -474,9 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with cancellable() as owner:
         try:
-            code = _run(args)
-            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-            return code
+            return _run(args)
         except Interrupted as e:
             if not owner:  # an outer handler (the pytest plugin's) reports it
                 raise
@@ -507,25 +598,72 @@ def _interrupted_line(args: argparse.Namespace, signame: str, exit_code: int) ->
 
 
 def _run(args: argparse.Namespace) -> int:
+    """The command, with every exception it may raise turned into the exit-code contract: bad
+    input 2 (one line), a failed run 3, anything else a bug of ours, 70 with its traceback. An
+    uncaught exception would leave as Python's exit 1, which a CI script reads as "diverged"."""
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except (SpecError, MetricsError, ValueError) as e:
-        print(f"parity: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _bad_input(str(e))
     except LaunchError as e:
         refused = e.result.refused_arguments
         if refused is not None:  # e.g. a misspelled key in the spec's overrides
             source = getattr(args, "spec", None) or "the job's flags"
-            print(
-                f"parity: error: {source}: the job refused its arguments: {refused} "
-                f"(log: {e.result.run_dir})",
-                file=sys.stderr,
+            return _bad_input(
+                f"{source}: the job refused its arguments: {refused} (log: {e.result.run_dir})"
             )
-            return EXIT_BAD_INPUT
         if getattr(args, "json", False):  # a crashed run is "failed", never aligned or diverged
             print(json.dumps({"verdict": "failed", **e.result.to_dict(), "error": str(e)}))
         print(f"parity: run failed: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except BrokenPipeError:
+        raise  # main's closed pipe (141), not a path of the user's
+    except OSError as e:
+        if e.filename is not None or isinstance(e, _PATH_ERRORS):
+            return _bad_input(_path_error(e))
+        return _internal_error(e)
+    except Exception as e:  # RecursionError included: a reader turns its own into MetricsError
+        return _internal_error(e)
+
+
+MAX_ERROR_LINE = 300  # characters of an error line; a longer one loses values, then its middle
+# OSErrors about a path the user gave (--out a regular file, an unreadable input): bad input
+_PATH_ERRORS = (
+    FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+)  # fmt: skip
+
+
+def _error_line(text: str) -> str:
+    """``text`` as one line of at most MAX_ERROR_LINE characters: the one place error lines are
+    clipped, so that a 10 MB value quoted in a message cannot flood a CI log."""
+    line = clip_message(re.sub(r"\s*\n\s*", " ", text.strip()))  # quoted values elided first
+    if len(line) > MAX_ERROR_LINE:  # then the middle: the path in front, the advice at the end
+        tail = MAX_ERROR_LINE // 3
+        line = line[: MAX_ERROR_LINE - tail - 5] + " ... " + line[-tail:]
+    return line
+
+
+def _bad_input(message: str) -> int:
+    print(_error_line(f"parity: error: {message}"), file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _path_error(e: OSError) -> str:
+    """'PATH: File exists' (both paths of a rename or link): the path first, as errors do here."""
+    where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    what = e.strerror or str(e) or type(e).__name__
+    return f"{where}: {what}" if where else what
+
+
+def _internal_error(e: Exception) -> int:
+    """Not a verdict and not the user's input: a bug to report, with the traceback to report."""
+    sys.stdout.flush()
+    head = _error_line(f"parity: internal error, please report: {type(e).__name__}: {e}")
+    print(head, file=sys.stderr)
+    traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import ItemsView, Iterator, Mapping, ValuesView
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -23,58 +23,147 @@ from parity.readers import (
     IncompleteRunError,
     MetricsError,
     SkippedRecordsError,
-    present_mask,
     read_summary,
     skipped_count,
 )
 from parity.readers.frame import FLOAT64, coarser
 
 __all__ = [
+    "JUDGED_COUNTERS",
+    "NOISE_PATTERNS",
     "ULP_MAX",
     "Comparison",
     "IncompleteRunError",
     "MetricResult",
+    "MetricResults",
     "MetricsError",
     "Policy",
     "SkippedRecordsError",
     "StepRange",
     "compare_frames",
     "default_policy",
+    "printable",
     "ulp_distance",
 ]
 
 ULP_MAX = int(np.iinfo(np.uint64).max)
 _SIGN = np.uint64(1 << 63)
 _MAGNITUDE = np.int64((1 << 63) - 1)
-# Run-to-run noise in the stacks people bring (verl, torchtitan, Megatron, HF, Lightning, NeMo):
-# time, throughput and memory never reproduce, so by default they are ignored and listed as such.
-_NOISE = (
-    "mfu",
-    "time",
-    "timing",
-    "throughput",
-    "tokens_per_s",
-    "tokens/s",
-    "tokens_per_sec",
-    "samples_per_second",
-    "steps_per_second",
-    "per_second",
-    "_per_sec",  # Lightning's ThroughputMonitor: samples_per_sec, batches_per_sec, items_per_sec
-    "samples/s",
-    "it/s",
-    "tflops",
-    "flops",
-    "memory",
-    "allocated_bytes",  # Lightning's DeviceStatsMonitor
-    "reserved_bytes",
-    "mem-",
-    "mem_",
-    "/mem",
-    "perf/",
-)
-_NOISE_EXACT = ("tps", "wps", "mfu")  # whole names only ("outputs" holds "tps")
-_RATE = ("/s", "per_s", "_s/", "time", "tps", "wps")
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
+
+NOISE_PATTERNS: tuple[str, ...] = (
+    # a group: every metric whose name starts with these segments
+    "perf/**",  # verl: perf/mfu/actor, perf/throughput, perf/max_memory_allocated_gb
+    "timing/**",
+    "timing_s/**",  # verl's timers: timing_s/step, timing_s/gen
+    "timing_per_token_ms/**",  # verl
+    "time/**",  # Composer: time/train, time/remaining_estimate
+    "time_metrics/**",  # torchtitan: time_metrics/end_to_end(s)
+    "memory/**",  # torchtitan: memory/max_reserved(GiB)
+    "throughput/**",  # Composer: throughput/batches_per_sec
+    "system/**",  # MLflow's system metrics: system/gpu_0_memory_usage_megabytes
+    "devicestatsmonitor/**",  # Lightning: DeviceStatsMonitor.on_train_batch_end/...
+    # time, as the last segment
+    "time",  # Lightning's ThroughputMonitor: train/time
+    "runtime",
+    "*_runtime",  # HF: train_runtime, eval_runtime
+    "*_time",  # step_time, iteration_time, data_time
+    "*-time",  # Megatron: iteration-time
+    "*_time_s",
+    "*_time_ms",
+    "time_per_*",
+    "time_this_iter_s",  # Ray Train
+    "time_total_s",
+    "*_timing",
+    "*_timing in s",  # NeMo: train_step_timing in s
+    "*_timing_*",  # Megatron's golden values: iteration_timing_avg
+    "timestamp",
+    "*_timestamp",
+    "elapsed",
+    "elapsed_*",
+    "*_elapsed",
+    # rates
+    "*_per_second",  # HF: train_samples_per_second
+    "*_per_second_*",
+    "*_per_sec",  # Lightning's ThroughputMonitor: samples_per_sec
+    "*_per_sec_*",  # NeMo: tflops_per_sec_per_gpu
+    "*_per_s",
+    "*_per_s_*",
+    "tokens/s",
+    "samples/s",
+    "steps/s",
+    "batches/s",
+    "items/s",
+    "it/s",
+    "tps",  # torchtitan
+    "wps",
+    "throughput",  # Megatron
+    "throughput(*)",  # torchtitan: throughput(tps)
+    "*_throughput",
+    # compute
+    "mfu",
+    "mfu(*)",  # torchtitan: mfu(%)
+    "*_mfu",
+    "tflops",
+    "tflops_*",  # NeMo: TFLOPS_per_GPU
+    "*_tflops",
+    "flops",
+    "*_flops",
+    # memory
+    "memory",
+    "memory(*)",
+    "memory_*",
+    "*_memory",
+    "*_memory_*",  # max_memory_allocated_gb, system_memory_usage_megabytes
+    "*_memory(*)",
+    "mem-*",  # Megatron: mem-allocated-bytes, mem-max-allocated-bytes
+    "mem_*",
+    "*_mem",
+    "*_mem_*",
+    "allocated_bytes.*.*",  # torch.cuda.memory_stats (Lightning): allocated_bytes.all.current
+    "reserved_bytes.*.*",
+    "active_bytes.*.*",
+    "requested_bytes.*.*",
+    "inactive_split_bytes.*.*",
+)
+"""The metrics ``default_policy`` ignores: run-to-run noise (time, throughput, memory, mfu) in
+the stacks people bring (verl, torchtitan, Megatron, HF, Lightning, NeMo, Composer, MLflow),
+which never reproduces.
+
+Patterns are over the lower-cased name's segments, which ``/`` or ``.`` separate (W&B joins
+nested keys with ``.``), and a ``/`` or ``.`` in a pattern is either: ``GROUP/**`` matches every
+name that starts with the segment(s) GROUP (``perf/**``: ``perf/mfu/actor``, ``perf.mfu``); any
+other pattern matches the name's last segment(s) (``time``: ``train/time``, never
+``rl/timestep_reward``; ``tokens/s``: the last two). ``*`` stands for any run of characters
+within one segment, so ``*_memory_*`` holds ``max_memory_allocated_gb`` but not
+``eval/memorization``. A name whose last segment counts tokens (``JUDGED_COUNTERS``) is judged
+even inside a group (``perf/total_num_tokens``).
+"""
+
+JUDGED_COUNTERS: tuple[str, ...] = ("*tokens",)
+"""Last segments judged even where a NOISE_PATTERNS group holds them: counters, not rates
+(verl's ``perf/total_num_tokens``); ``perf/tokens_per_s`` stays ignored."""
+
+# Literal pieces one of which every name NOISE_PATTERNS matches holds ("\n" ends the name):
+# a whole list of names is searched for them at once, and only names that hold one are matched
+# against the patterns (tests check every pattern holds one).
+NOISE_KEYWORDS = (
+    "tim", "mem", "perf", "throughput", "system", "devicestats", "elapsed", "per_s", "/s\n",
+    ".s\n", "tps\n", "wps\n", "mfu", "flops", "bytes",
+)  # fmt: skip
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A NOISE_PATTERNS pattern as a regex over a whole lower-cased name (see there)."""
+    group = pattern.endswith("/**")
+    body = pattern[:-3] if group else pattern
+    words = {"*": "[^/.]*", "/": "[/.]", ".": "[/.]"}
+    regex = "".join(words.get(c, re.escape(c)) for c in body)
+    return regex + "[/.].+" if group else "(?:.*[/.])?" + regex
+
+
+_NOISE_RE = re.compile("|".join(f"(?:{_pattern_regex(p)})" for p in NOISE_PATTERNS), re.DOTALL)
+_COUNTER_RE = re.compile("|".join(f"(?:{_pattern_regex(p)})" for p in JUDGED_COUNTERS), re.DOTALL)
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:
@@ -282,14 +371,40 @@ def _piece_index(pieces: tuple[StepRange, ...], steps: np.ndarray) -> np.ndarray
     return which
 
 
-def default_policy(metric: str) -> Policy:
-    """Run-to-run noise (time, throughput, memory, mfu: ``_NOISE``) is ignored, since it never
-    reproduces; everything else is exact."""
+_EXACT, _IGNORE = Policy("exact"), Policy("ignore")
+
+
+def _is_noise(metric: str) -> bool:
     name = metric.lower()
-    leaf = name.rsplit("/", 1)[-1]
-    noisy = any(t in name for t in _NOISE) or leaf in _NOISE_EXACT
-    counter = "tokens" in leaf and not any(r in name for r in _RATE)  # perf/total_num_tokens
-    return Policy("ignore") if noisy and not counter else Policy("exact")
+    return _NOISE_RE.fullmatch(name) is not None and _COUNTER_RE.fullmatch(name) is None
+
+
+def default_policy(metric: str) -> Policy:
+    """Run-to-run noise (a name NOISE_PATTERNS holds: time, throughput, memory, mfu) is ignored,
+    since it never reproduces; everything else is exact."""
+    return _IGNORE if _is_noise(metric) else _EXACT
+
+
+def _noise_mask(names: list[str]) -> np.ndarray:
+    """_is_noise of many names: the joined names are searched for NOISE_KEYWORDS once, and only
+    the names holding one are matched, so a long list of names costs a few string scans."""
+    out = np.zeros(len(names), dtype=bool)
+    text = "\n".join(names).lower() + "\n"
+    if text.count("\n") != len(names):  # a name holds a "\n": one by one
+        out[:] = [_is_noise(n) for n in names]
+        return out
+    hits = []
+    for word in NOISE_KEYWORDS:
+        at = text.find(word)
+        while at != -1:
+            hits.append(at)
+            at = text.find(word, at + 1)
+    line, done = 0, 0
+    for at in sorted(hits):
+        line += text.count("\n", done, at)  # the name a hit is in: the newlines before it
+        done = at
+        out[line] = _is_noise(names[line])
+    return out
 
 
 def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
@@ -303,6 +418,39 @@ def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
     if chosen is None:
         return default_policy(metric)
     return chosen if isinstance(chosen, Policy) else Policy.parse(chosen)
+
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _resolve_all(
+    names: list[str], policies: Mapping[str, Policy | str]
+) -> tuple[np.ndarray, list[Policy]]:
+    """_resolve of every name, as an index per name into a list of the distinct policies: a
+    policy text is parsed once, and a glob is matched only against names no earlier rule took."""
+    distinct: list[Policy] = [_EXACT, _IGNORE]
+    which = np.zeros(len(names), dtype=np.int64)
+    taken = np.zeros(len(names), dtype=bool)
+    if policies:
+        parsed = {}
+        for pat, p in policies.items():
+            parsed[pat] = len(distinct)
+            distinct.append(p if isinstance(p, Policy) else Policy.parse(p))
+        at = {name: j for j, name in enumerate(names)}
+        for pat, k in parsed.items():
+            j = at.get(pat)
+            if j is not None:
+                which[j], taken[j] = k, True
+        for pat, k in parsed.items():
+            if not _GLOB.search(pat):  # a plain name matches only itself: taken above
+                continue
+            match = re.compile(fnmatch.translate(pat)).match
+            hit = [j for j in np.flatnonzero(~taken).tolist() if match(names[j])]
+            which[hit], taken[hit] = k, True
+    rest = np.flatnonzero(~taken)
+    left = names if len(rest) == len(names) else [names[j] for j in rest.tolist()]
+    which[rest[_noise_mask(left)]] = 1
+    return which, distinct
 
 
 @dataclass
@@ -332,6 +480,28 @@ class MetricResult:
     note: str = ""
 
 
+_RESULT_FIELDS = tuple(f.name for f in fields(MetricResult) if f.name != "name")
+_IGNORED, _MATCH = _ORDER["ignored"], _ORDER["match"]
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match) -> str:
+    c = m.group()
+    if c in _NAMED:
+        return _NAMED[c]
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` (a metric name, a note, a path: data from a log) for one line of a terminal:
+    control characters (C0, DEL, C1), line and paragraph separators and bidi controls shown
+    escaped (``\\n``, ``\\r``, ``\\t``, ``\\x1b``, ``\\u202e``), so a name cannot end its row,
+    print a line of its own ("verdict: aligned"), move the cursor or erase what was printed."""
+    text = str(text)
+    return text if _CONTROL.search(text) is None else _CONTROL.sub(_escape, text)
+
+
 def _json(v: Any) -> Any:
     if isinstance(v, (float, np.floating)):
         return float(v) if math.isfinite(v) else repr(float(v))
@@ -350,17 +520,179 @@ def _fmt(v: Any) -> str:
     return repr(v)
 
 
+class MetricResults(Mapping[str, MetricResult]):
+    """Every metric's MetricResult by name, read-only (compare_frames': in name order).
+
+    A metric equal bit for bit at every step, with no step missing on either side, is kept as
+    its policy, step count and first step, and an ignored one as its policy, until it is read:
+    their results follow from those alone, so a comparison of 400,000 metrics costs arrays, not
+    400,000 objects. ``failures``, ``counts``, ``ordered`` and ``judged_at`` read the arrays.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        built: list[MetricResult | None],
+        status: np.ndarray,
+        ok: np.ndarray,
+        precision: tuple[np.ndarray, list[str]],
+        lazy: tuple[np.ndarray, list[str], np.ndarray, np.ndarray] | None = None,
+        rank: np.ndarray | None = None,
+    ) -> None:
+        """built[j]: name j's result, or None where ``lazy`` (policy index, policy texts, steps
+        compared, first step compared) makes it on first read; status: _ORDER codes; precision:
+        (index per name, texts); rank: each name's place in name order (None: names sorted)."""
+        self._names, self._built, self._status, self._ok = names, built, status, ok
+        self._precision, self._lazy = precision, lazy
+        self._rank = np.arange(len(names)) if rank is None else rank
+        self._index: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, results: Mapping[str, MetricResult]) -> MetricResults:
+        """Results already made (a dict name -> MetricResult), in its order."""
+        names, built = list(results), list(results.values())
+        texts = sorted({r.precision for r in built})
+        code = {p: i for i, p in enumerate(texts)}
+        order = sorted(range(len(names)), key=names.__getitem__)
+        rank = np.empty(len(names), dtype=np.int64)
+        rank[order] = np.arange(len(names))
+        return cls(
+            names,
+            list(built),
+            np.array([_ORDER[r.status] for r in built], dtype=np.int8),
+            np.array([r.ok for r in built], dtype=bool),
+            (np.array([code[r.precision] for r in built], dtype=np.int64), texts),
+            rank=rank,
+        )
+
+    def _at(self, j: int) -> MetricResult:
+        found = self._built[j]
+        if found is None:
+            found = self._built[j] = self._make(j)
+        return found
+
+    def _make(self, j: int) -> MetricResult:
+        assert self._lazy is not None
+        which, texts, count, first = self._lazy
+        name, policy = self._names[j], texts[which[j]]
+        precision = self._precision[1][self._precision[0][j]]
+        if self._status[j] == _IGNORED:
+            return MetricResult(name, policy, "ignored", precision=precision)
+        n = int(count[j])
+        step, zero, none = (int(first[j]), 0.0, 0) if n else (None, None, None)
+        return MetricResult(
+            name,
+            policy,
+            "match",
+            steps_compared=n,
+            exact_matches=n,
+            max_abs_diff=zero,
+            max_abs_diff_step=step,
+            max_rel_diff=zero,
+            max_rel_diff_step=step,
+            max_ulp=none,
+            max_ulp_step=step,
+            precision=precision,
+            note=f"judged at {_precision_words(precision)}" if precision != FLOAT64 else "",
+        )
+
+    def _where(self, name: str) -> int:
+        if self._index is None:
+            self._index = dict(zip(self._names, range(len(self._names)), strict=True))
+        return self._index[name]
+
+    def __getitem__(self, name: str) -> MetricResult:
+        return self._at(self._where(name))
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self._where(name)  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def values(self) -> ValuesView[MetricResult]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, MetricResult]:
+        return _Items(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+    def failures(self) -> list[MetricResult]:
+        """The results that failed, in this mapping's order."""
+        return [self._at(j) for j in np.flatnonzero(~self._ok).tolist()]
+
+    def failing(self) -> int:
+        """How many results failed."""
+        return int(np.count_nonzero(~self._ok))
+
+    def counts(self) -> dict[str, int]:
+        """Metrics per status, in _ORDER's order."""
+        n = np.bincount(self._status, minlength=len(_ORDER))
+        return {s: int(n[code]) for s, code in _ORDER.items()}
+
+    def ordered(self, limit: int | None = None) -> list[MetricResult]:
+        """The results failures first, then by status (_ORDER) and name; the first ``limit``."""
+        order = np.lexsort((self._rank, self._status, self._ok))
+        return [self._at(j) for j in order[:limit].tolist()]
+
+    def judged_at(self) -> dict[str, list[str]]:
+        """Precision coarser than float64 -> the judged (not ignored) metrics at it, by name."""
+        which, texts = self._precision
+        out = {}
+        for code, p in sorted(enumerate(texts), key=lambda x: x[1]):
+            hit = np.flatnonzero((which == code) & (self._status != _IGNORED))
+            if p != FLOAT64 and len(hit):
+                out[p] = [self._names[j] for j in hit[np.argsort(self._rank[hit])].tolist()]
+        return out
+
+
+class _Values(ValuesView):
+    _mapping: MetricResults
+
+    def __iter__(self) -> Iterator[MetricResult]:
+        results = self._mapping
+        return (results._at(j) for j in range(len(results)))
+
+
+class _Items(ItemsView):
+    _mapping: MetricResults
+
+    def __iter__(self) -> Iterator[tuple[str, MetricResult]]:
+        results = self._mapping
+        return ((name, results._at(j)) for j, name in enumerate(results._names))
+
+
 @dataclass
 class Comparison:
-    """All metrics' results; verdict "aligned" only when none of them failed."""
+    """All metrics' results; verdict "aligned" only when none of them failed.
+
+    metrics: a MetricResults (a plain dict given is made one), read like a dict."""
 
     verdict: Literal["aligned", "diverged"]
-    metrics: dict[str, MetricResult]
+    metrics: Mapping[str, MetricResult]
     a_source: str | None = None
     b_source: str | None = None
     steps_only_in_a: list[int] = field(default_factory=list)
     steps_only_in_b: list[int] = field(default_factory=list)
     reads: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> what was read
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metrics, MetricResults):
+            self.metrics = MetricResults.of(self.metrics)
+
+    @property
+    def results(self) -> MetricResults:
+        assert isinstance(self.metrics, MetricResults)
+        return self.metrics
 
     @property
     def ok(self) -> bool:
@@ -368,7 +700,7 @@ class Comparison:
 
     @property
     def failures(self) -> list[MetricResult]:
-        return [m for m in self.metrics.values() if not m.ok]
+        return self.results.failures()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (json.dumps(..., allow_nan=False)); non-finite floats become strings."""
@@ -380,15 +712,15 @@ class Comparison:
             "steps_only_in_b": _json(self.steps_only_in_b),
             "reads": self.reads,
             "metrics": {
-                name: {k: _json(v) for k, v in asdict(m).items() if k != "name"}
+                name: {k: _json(getattr(m, k)) for k in _RESULT_FIELDS}
                 for name, m in self.metrics.items()
             },
         }
 
     def table(self, max_rows: int = 20) -> str:
-        """Fixed-width text table, failures first: the pytest failure message."""
-        rows = sorted(self.metrics.values(), key=lambda m: (m.ok, _ORDER[m.status], m.name))
-        counts = {s: sum(m.status == s for m in rows) for s in _ORDER}
+        """Fixed-width text table, failures first: the pytest failure message. Names, notes
+        and paths (data from the logs) are printable(): one metric is one line."""
+        counts = self.results.counts()
         lines = [
             f"verdict: {self.verdict} ("
             + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -408,43 +740,42 @@ class Comparison:
             "max_ulp",
             "note",
         )
+        shown = self.results.ordered(max_rows)
         cells = [
             (
-                m.name,
-                m.policy,
+                printable(m.name),
+                printable(m.policy),
                 m.status,
                 str(m.steps_compared),
                 _fmt(m.first_divergent_step),
                 _fmt(m.a_value),
                 _fmt(m.b_value),
                 _fmt(m.max_ulp),
-                m.note,
+                printable(m.note),
             )
-            for m in rows[:max_rows]
+            for m in shown
         ]
         widths = [max(len(r[i]) for r in [header, *cells]) for i in range(len(header) - 1)]
         for r in [header, *cells]:  # the note column is last and not padded
             padded = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)]
             lines.append("  ".join([*padded, r[-1]]).rstrip())
-        if len(rows) > max_rows:
-            rest = rows[max_rows:]
-            lines.append(f"... {len(rest)} more metrics ({sum(not m.ok for m in rest)} failing)")
-        return "\n".join(lines + self.read_lines())
+        rest = len(self.metrics) - len(shown)
+        if rest > 0:
+            failing = self.results.failing() - sum(not m.ok for m in shown)
+            lines.append(f"... {rest} more metrics ({failing} failing)")
+        return "\n".join(printable(line) for line in lines + self.read_lines())
 
     def read_lines(self) -> list[str]:
         """What each side's reader read, skipped and noted, and the metrics judged at a coarser
         precision than float64: the verdict is only as exact as the data."""
-        rows = sorted(self.metrics.values(), key=lambda m: m.name)
         lines = []
         for side, read in self.reads.items():
             if read.get("format"):
                 lines.append(f"{side}: {read['summary']}")
             lines.extend(f"{side}: note: {n}" for n in read.get("notes", []))
-        for p in sorted({m.precision for m in rows if m.precision != FLOAT64}):
-            names = [m.name for m in rows if m.precision == p and m.status != "ignored"]
-            if names:
-                words = _precision_words(p)
-                lines.append(f"judged at {words} (what the sources hold): {_names(names)}")
+        for p, names in self.results.judged_at().items():
+            words = _precision_words(p)
+            lines.append(f"judged at {words} (what the sources hold): {_names(names)}")
         return lines
 
 
@@ -589,6 +920,95 @@ def _compare_metric(
     return res
 
 
+def _metric_names(ka: list, kb: list, a: pd.DataFrame) -> list[str]:
+    """Both frames' metric names (as str), sorted; in O(names) when both hold the same ones."""
+    if ka == kb and a.columns.inferred_type == "string":
+        return ka if a.columns.is_monotonic_increasing else sorted(ka)
+    return sorted(set(map(str, ka)) | set(map(str, kb)))
+
+
+def _aligned_mask(mask: pd.DataFrame, index: pd.Index, columns: pd.Index) -> np.ndarray:
+    """attrs["present"] as booleans on the frame's own steps and columns (False where absent)."""
+    values = mask.to_numpy()
+    values = values if values.dtype == bool else values.astype(bool)
+    if mask.index.equals(index) and mask.columns.equals(columns):
+        return values
+    rows, cols = mask.index.get_indexer(index), mask.columns.get_indexer(columns)
+    out = np.zeros((len(index), len(columns)), dtype=bool)
+    hit_r, hit_c = rows >= 0, cols >= 0
+    out[np.ix_(hit_r, hit_c)] = values[np.ix_(rows[hit_r], cols[hit_c])]
+    return out
+
+
+def _side(
+    frame: pd.DataFrame, steps: pd.Index, names: list[str], columns: list
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(values, present) as steps x columns arrays on all compared steps (NaN and False where
+    the frame has no such step), and each name's column (-1: the frame lacks it; None: the
+    columns are the names).
+
+    Arrays, not frame[name]: selecting a column of a read frame deep-copies its attrs (the
+    present mask among them), which made comparing N metrics cost N copies of the whole frame.
+    """
+    values = frame.to_numpy(dtype=np.float64)
+    present = ~np.isnan(values)  # present_mask: a value is always present
+    mask = frame.attrs.get("present")
+    if isinstance(mask, pd.DataFrame) and mask.index.is_unique and mask.columns.is_unique:
+        present |= _aligned_mask(mask, frame.index, frame.columns)
+    if not frame.index.equals(steps):
+        rows = steps.get_indexer(frame.index)
+        full = np.full((len(steps), values.shape[1]), np.nan)
+        full[rows] = values
+        has = np.zeros(full.shape, dtype=bool)
+        has[rows] = present
+        values, present = full, has
+    if columns is names or columns == names:
+        return values, present, None
+    at = {c: i for i, c in enumerate(columns) if isinstance(c, str)}
+    return values, present, np.array([at.get(n, -1) for n in names], dtype=np.int64)
+
+
+def _precisions(a: pd.DataFrame, b: pd.DataFrame, names: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Each metric's precision (the coarser of its two sources'), as an index into texts."""
+    pa, pb = a.attrs.get("precision") or {}, b.attrs.get("precision") or {}
+    which = np.zeros(len(names), dtype=np.int64)
+    texts = [FLOAT64]
+    if set(pa.values()) | set(pb.values()) <= {FLOAT64}:
+        return which, texts
+    code: dict[tuple[str, str], int] = {}
+    for j, name in enumerate(names):
+        key = (pa.get(name, FLOAT64), pb.get(name, FLOAT64))
+        if key not in code:
+            p = coarser(*key)
+            if p not in texts:
+                texts.append(p)
+            code[key] = texts.index(p)
+        which[j] = code[key]
+    return which, texts
+
+
+def _clean(
+    x: np.ndarray, has_a: np.ndarray, y: np.ndarray, has_b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of a's values x against b's y (steps x metrics): whether it is clean (present
+    at the same steps, equal bits or NaN on both sides wherever present), how many steps it has
+    and the row of its first."""
+    everywhere = has_a.all() and has_b.all()  # the usual frame: no cell absent
+    same_steps = np.ones(x.shape[1], dtype=bool) if everywhere else (has_a == has_b).all(axis=0)
+    agree = x.view(np.uint64) == y.view(np.uint64)
+    if not everywhere:
+        agree |= ~has_a
+    clean = same_steps & agree.all(axis=0)
+    nan = np.flatnonzero(same_steps & ~clean)  # maybe a NaN on both sides: look again
+    if len(nan):
+        sx, sy = x[:, nan], y[:, nan]
+        again = (sx.view(np.uint64) == sy.view(np.uint64)) | (np.isnan(sx) & np.isnan(sy))
+        clean[nan] = (again | ~has_a[:, nan]).all(axis=0)
+    if everywhere or not len(x):
+        return clean, np.full(x.shape[1], len(x)), np.zeros(x.shape[1], dtype=np.int64)
+    return clean, has_a.sum(axis=0), has_a.argmax(axis=0)
+
+
 def compare_frames(
     a: pd.DataFrame,
     b: pd.DataFrame,
@@ -607,6 +1027,9 @@ def compare_frames(
     a side whose reader skipped records raises SkippedRecordsError unless allow_skipped (no
     verdict from a partial read). Each metric is judged at the coarser precision of its two
     sources (attrs["precision"]): a float32 log in float32 bits and ULPs, a rounded one rounded.
+
+    The frames are read as arrays once; the metrics equal at every step are told apart from the
+    rest over all of them at once, and only the rest are judged one by one (_compare_metric).
     """
     for side, frame in (("a", a), ("b", b)):
         if frame.attrs.get("complete") is False and not allow_incomplete:
@@ -629,39 +1052,52 @@ def compare_frames(
             Policy.parse(p)
     steps_index = a.index.union(b.index).sort_values()
     steps = np.asarray(steps_index, dtype=np.int64)
-    present = {}
-    for side, frame in (("a", a), ("b", b)):
-        mask = present_mask(frame).reindex(index=steps_index, fill_value=False)
-        present[side] = mask.astype(bool)
-    results: dict[str, MetricResult] = {}
-    names = sorted(set(map(str, a.columns)) | set(map(str, b.columns)))
+    ka, kb = a.columns.tolist(), b.columns.tolist()
+    names = _metric_names(ka, kb, a)
+    va, pa, ca = _side(a, steps_index, names, ka)
+    vb, pb, cb = _side(b, steps_index, names, kb)
+    which, distinct = _resolve_all(names, policies)
+    ignored = np.array([p.kind == "ignore" for p in distinct])[which]
+    precision = _precisions(a, b, names)
+
+    every = np.arange(len(names))
+    ca, cb = every if ca is None else ca, every if cb is None else cb
+    judged = np.flatnonzero(~ignored & (ca >= 0) & (cb >= 0))
+    if len(judged) == len(names) and (ca is every) and (cb is every):
+        clean, count, first = _clean(va, pa, vb, pb)  # every metric, in the frames' order
+    else:
+        ja, jb = ca[judged], cb[judged]
+        clean, count, first = _clean(va[:, ja], pa[:, ja], vb[:, jb], pb[:, jb])
+    counts = np.zeros(len(names), dtype=np.int64)
+    firsts = np.zeros(len(names), dtype=np.int64)
+    counts[judged] = count
+    if len(steps):
+        firsts[judged] = steps[first]
+    lazy = ignored.copy()
+    lazy[judged[clean]] = True
+    status = np.where(ignored, _IGNORED, _MATCH).astype(np.int8)
+    ok = np.ones(len(names), dtype=bool)
+    built: list[MetricResult | None] = [None] * len(names)
     none = np.zeros(len(steps), dtype=bool)
-    for name in names:
-        cols = {}
-        for side, frame in (("a", a), ("b", b)):
-            if name in frame.columns:
-                values = frame[name].reindex(steps_index).to_numpy(dtype=np.float64)
-                cols[side] = (values, present[side][name].to_numpy())
-            else:
-                cols[side] = (None, none)
-        precision = coarser(
-            (a.attrs.get("precision") or {}).get(name, FLOAT64),
-            (b.attrs.get("precision") or {}).get(name, FLOAT64),
-        )
-        results[name] = _compare_metric(
-            name,
-            _resolve(name, policies),
+    for j in np.flatnonzero(~lazy).tolist():
+        cols = []
+        for values, present, at in ((va, pa, ca[j]), (vb, pb, cb[j])):
+            has = at >= 0
+            cols += [values[:, at].copy() if has else None, present[:, at].copy() if has else none]
+        res = _compare_metric(
+            names[j],
+            distinct[which[j]],
             steps,
-            *cols["a"],
-            *cols["b"],
+            *cols,
             allow_missing,
-            precision,
+            precision[1][precision[0][j]],
         )
+        built[j], status[j], ok[j] = res, _ORDER[res.status], res.ok
+    texts = [str(p) for p in distinct]
+    results = MetricResults(names, built, status, ok, precision, (which, texts, counts, firsts))
     only_a = [int(s) for s in a.index.difference(b.index)]
     only_b = [int(s) for s in b.index.difference(a.index)]
-    failed = any(not r.ok for r in results.values()) or bool(
-        (only_a or only_b) and not allow_missing
-    )
+    failed = not ok.all() or bool((only_a or only_b) and not allow_missing)
     return Comparison(
         verdict="diverged" if failed else "aligned",
         metrics=results,

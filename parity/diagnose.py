@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from parity.compare import Comparison, compare_frames
+from parity.compare import Comparison, compare_frames, printable
 from parity.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
 
@@ -98,10 +98,11 @@ def _records(path: Path) -> tuple[list[tuple[int, dict]], bool]:
             raise DiagnosisError(f"{path}:{lineno}: record after the end record of line {end}")
         try:
             rec = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             if lineno == len(lines):  # no newline after it: the writer was cut off
                 return out, False
-            raise DiagnosisError(f"{path}:{lineno}: not valid JSON: {e}") from None
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise DiagnosisError(f"{path}:{lineno}: not valid JSON: {why}") from None
         if not isinstance(rec, dict):
             raise DiagnosisError(f"{path}:{lineno}: record is not a JSON object")
         if "event" in rec:
@@ -124,7 +125,11 @@ def _rank_files(run_dir: Path) -> dict[int, Path]:
     if not folder.is_dir():
         return {}
     found = {}
-    for p in folder.iterdir():
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise DiagnosisError(f"{folder}: cannot read: {e}") from None
+    for p in entries:
         m = _RANK_FILE.fullmatch(p.name)
         if m:
             found[int(m.group(1))] = p
@@ -493,7 +498,12 @@ class Diagnosis:
 
     def lines(self) -> list[str]:
         """Every finding worth a line: the headline (diverged only), fingerprints, rank
-        disagreements (always: a job whose ranks disagree is broken whatever B says), errors."""
+        disagreements (always: a job whose ranks disagree is broken whatever B says), errors.
+
+        Names in them (metrics, tensors, modules, ops) come from the files: printable()."""
+        return [printable(line) for line in self._lines()]
+
+    def _lines(self) -> list[str]:
         out = []
         if self.verdict != "aligned" and self.headline():
             out.append(self.headline())
@@ -530,11 +540,26 @@ class Diagnosis:
 def _first_metric(comparison: Comparison | None) -> tuple[int | None, str | None]:
     if comparison is None:
         return None, None
-    bad = [m for m in comparison.metrics.values() if m.first_divergent_step is not None]
+    bad = [m for m in comparison.failures if m.first_divergent_step is not None]
     if not bad:
         return None, None
     m = min(bad, key=lambda m: (m.first_divergent_step, m.name))
     return m.first_divergent_step, m.name
+
+
+# What a damaged diagnosis file raises (a JSON nested too deep, a file that is no UTF-8, a folder
+# that cannot be listed): its one-line message becomes an error of the diagnosis.
+_DAMAGED = (MetricsError, OSError, RecursionError, UnicodeError, ValueError)
+
+
+def _safely(out: Diagnosis, read: Any, *args: Any, default: Any = None) -> Any:
+    """read(*args), or `default` with the error's line in out.errors when a file is damaged."""
+    try:
+        return read(*args)
+    except _DAMAGED as e:
+        text = str(e).strip()
+        out.errors.append(printable(text.splitlines()[0]) if text else type(e).__name__)
+        return default
 
 
 def diagnose(
@@ -552,27 +577,19 @@ def diagnose(
     out = Diagnosis(verdict, "unknown", step, metric)
     data = {}
     for side, d in dirs.items():
-        try:
-            data[side] = read_rank_data(d) if d is not None else {}
-        except MetricsError as e:
-            data[side] = {}
-            out.errors.append(str(e))
+        data[side] = _safely(out, read_rank_data, d, default={}) if d is not None else {}
         if d is not None and data[side]:
-            try:
-                out.ranks[side] = rank_agreement(d)
-            except MetricsError as e:
-                out.errors.append(str(e))
+            agreement = _safely(out, rank_agreement, d)
+            if agreement is not None:
+                out.ranks[side] = agreement
     if data["a"] or data["b"]:
         for kind in KINDS:
             setattr(out, kind, compare_data(data["a"], data["b"], kind))
-    try:
-        out.fingerprints = compare_fingerprints(dirs["a"], dirs["b"])
-    except MetricsError as e:
-        out.errors.append(str(e))
-    try:
-        out.ops = compare_ops(dirs["a"], dirs["b"])
-    except MetricsError as e:
-        out.errors.append(str(e))
+    out.fingerprints = _safely(
+        out, compare_fingerprints, dirs["a"], dirs["b"], default=FingerprintDiff()
+    )
+    out.ops = _safely(out, compare_ops, dirs["a"], dirs["b"], default=OpDiff())
+    out.errors += map(printable, out.ops.errors)  # a values file not read: the op is named
     # the earliest data difference at or before the first metric divergence explains it; at one
     # step, the earliest in the step's own order (prompts, rollout, train, val)
     candidates = [

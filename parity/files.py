@@ -1,4 +1,5 @@
-"""Atomic writes: a temp file in the same folder, then a rename. Nothing is ever written half.
+"""Atomic writes (a temp file in the same folder, then a rename: nothing is ever written half),
+and where a run's launch files lie.
 
 The one implementation is the recorder's (`parity.record.files`), the bottom layer; reports,
 summaries and goldens refuse NaN here, where a run's own records spell it as Python does.
@@ -12,7 +13,16 @@ from typing import Any
 
 from parity.record.files import write_text_atomic
 
-__all__ = ["write_json_atomic", "write_text_atomic"]
+__all__ = ["launch_dir", "write_json_atomic", "write_text_atomic"]
+
+LAUNCH_SUFFIX = ".launch"
+
+
+def launch_dir(run_dir: Path) -> Path:
+    """Where the harness keeps a run's launch files (launcher.log, rank logs, world records):
+    beside the job's output folder, never in it, so the job starts in an empty folder."""
+    run_dir = Path(run_dir)
+    return run_dir.with_name(run_dir.name + LAUNCH_SUFFIX)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, compare_frames, default_policy
+from parity.compare import Comparison, compare_frames, default_policy, printable
 from parity.files import write_json_atomic
 from parity.readers import MetricsError, read_metrics, write_metrics
 
@@ -88,18 +88,44 @@ def _compared(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _manifest(folder: Path) -> dict[str, Any]:
-    """A run's or golden's manifest.json, or a one-line GoldenError naming the file."""
-    path = Path(folder) / "manifest.json"
+MAX_MANIFEST_DEPTH = 64  # a manifest nests a few levels (config.model.x); deeper is damage
+
+
+def _depth(obj: Any) -> int:
+    """How deeply lists and objects nest in parsed JSON (iterative: no recursion to exhaust)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            items = node.values() if isinstance(node, dict) else node
+            if depth <= MAX_MANIFEST_DEPTH:
+                stack += [(x, depth + 1) for x in items]
+    return deepest
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A manifest.json as a dict, or a one-line GoldenError naming the file: missing, not JSON,
+    nested deeper than MAX_MANIFEST_DEPTH, or not a JSON object."""
+    path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise GoldenError(f"{path}: missing (the environment fingerprint is needed)") from None
+    except RecursionError:
+        raise GoldenError(f"{path}: cannot read: JSON nested too deeply") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise GoldenError(f"{path}: cannot read: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise GoldenError(f"{path}: must be a JSON object, got {type(data).__name__}")
+    if _depth(data) > MAX_MANIFEST_DEPTH:
+        raise GoldenError(f"{path}: cannot read: nested deeper than {MAX_MANIFEST_DEPTH} levels")
     return data
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    """A run's or golden's manifest.json, or a one-line GoldenError naming the file."""
+    return read_manifest(Path(folder) / "manifest.json")
 
 
 def baseline_name(env: dict[str, Any]) -> str:
@@ -196,7 +222,7 @@ class GoldenResult:
         if self.new_metrics:
             lines.append(
                 f"  not judged: {len(self.new_metrics)} metrics newer than the golden "
-                f"({', '.join(self.new_metrics)}); rebaseline to pin them"
+                f"({', '.join(map(printable, self.new_metrics))}); rebaseline to pin them"
             )
         return "\n".join(lines + [self.comparison.table()])
 
@@ -223,7 +249,7 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
     if dropped:
         raise GoldenError(
             f"{baseline / 'metrics.jsonl'}: metrics of the golden the run no longer logs: "
-            + ", ".join(dropped)
+            + ", ".join(map(printable, dropped))
         )
     # a metric added since the golden was recorded cannot have regressed: listed, not judged
     # (a golden of another host cannot be re-recorded here; see GoldenResult.message)

@@ -57,6 +57,10 @@ def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
     if spec_a.nnodes > 1:
         return f"in-process mode runs on one node, not {spec_a.nnodes}"
     for label, spec in (("a", spec_a), ("b", spec_b)):
+        if spec.env:
+            return f"in-process mode shares one environment; side {label} sets env of its own"
+        if not spec.distributed:
+            return f"in-process mode runs distributed jobs; side {label} is distributed = false"
         args = dataclasses.replace(spec, inject=[]).to_args(Path("{out}"))
         if len(args) < 2 or args[0] != "-m":
             return f"in-process mode runs job modules (-m MODULE); side {label} runs a script"
@@ -77,14 +81,16 @@ def run_pair_in_process(
 ) -> tuple[Run, Run]:
     """Run both sides in one launch; raise SpecError (refusal) or LaunchError (it failed).
 
-    Writes the same a/ and b/ run folders as two launches, plus a launcher.log in each whose
-    first line is the separate launch that reproduces that side alone. A launch that fails only
+    Writes the same a/ and b/ run folders as two launches, plus a launcher.log in each one's
+    launch folder (a.launch/) whose first line is the separate launch that reproduces that side
+    alone. A launch that fails only
     at teardown (both sides' metrics complete) is returned with allow_teardown_failure, as
     run_job does.
     """
+    from parity.files import launch_dir
     from parity.launch import LaunchError, launch
-    from parity.readers import read_metrics
-    from parity.runs import Progress, Run, mark_teardown
+    from parity.outdir import OutDir
+    from parity.runs import Progress, Run, mark_teardown, read_output
     from parity.spec import SpecError
 
     spec_a, spec_b = pair.sides()
@@ -93,36 +99,40 @@ def run_pair_in_process(
         raise SpecError(reason)
     out = Path(out).resolve()
     dirs = [out / "a", out / "b"]
-    here = out / FOLDER
-    for d in (*dirs, here):
-        d.mkdir(parents=True, exist_ok=True)
-    timing = here / "timing.json"
-    timing.unlink(missing_ok=True)
-    progress = Progress("B (after A, in-process)", spec_b.steps, dirs[1] / "metrics.jsonl")
-    since = time.time()
-    try:
-        result = launch(
-            command([spec_a, spec_b], dirs, timing),
-            nproc=spec_a.nproc_per_node,
-            run_dir=here,
-            timeout_s=spec_a.timeout_s + spec_b.timeout_s,
-            torchrun_args=spec_a.torchrun_args,
-            on_tick=progress.tick,
-        )
-    finally:
+    with OutDir.open(out) as held:
+        for d in dirs:
+            held.make_dir(d.name)
+            held.make_dir(launch_dir(d).name)
+        here = held.make_dir(FOLDER)
+        timing = here / "timing.json"
+        progress = Progress("B (after A, in-process)", spec_b.steps, dirs[1] / "metrics.jsonl")
+        since = time.time()
+        try:
+            result = launch(
+                command([spec_a, spec_b], dirs, timing),
+                nproc=spec_a.nproc_per_node,
+                run_dir=here,
+                timeout_s=spec_a.timeout_s + spec_b.timeout_s,
+                torchrun_args=spec_a.torchrun_args,
+                on_tick=progress.tick,
+                expect_world=spec_a.world_size,
+            )
+        except BaseException:
+            progress.close(interrupted=True)
+            raise
         progress.close()
     frames = [None, None]
     if not result.ok:
         frames = [mark_teardown(result, d / "metrics.jsonl", since) for d in dirs]
         if not allow_teardown_failure or any(f is None for f in frames):
-            raise LaunchError(result)
+            raise LaunchError(result, "in-process pair")
     split = _split_seconds(timing, result.duration_s)
     runs = []
     for spec, d, seconds, frame in zip((spec_a, spec_b), dirs, split, frames, strict=True):
         note = f"# ran in-process with the other side in one launch: {here / 'launcher.log'}\n"
-        _write_text(d / "launcher.log", f"{alone_line(spec, d)}\n{note}")
+        _write_text(launch_dir(d) / "launcher.log", f"{alone_line(spec, d)}\n{note}")
         side = dataclasses.replace(result, duration_s=seconds)
-        metrics = frame if frame is not None else read_metrics(d)
+        metrics = frame if frame is not None else read_output(side, d, f"side {d.name}")
         runs.append(Run(spec, d, side, metrics, in_process=True))
     return runs[0], runs[1]
 

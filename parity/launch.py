@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parity import world
 from parity.signals import deferred
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
@@ -104,10 +105,19 @@ class LaunchResult:
     nodes: dict[int, LaunchResult] = field(default_factory=dict)
     #: Why the launch failed beyond the ranks' own reports (e.g. a node that never joined).
     note: str = ""
+    #: Why the launch is failed although its ranks exited 0: the world they formed instead of
+    #: the one asked for (parity.world), or output the job did not write; '' when none.
+    fault: str = ""
+    #: One word for that fault: "world" or "no-output".
+    fault_kind: str = ""
+    #: time.time() when the launch started (files older than this are not its output).
+    started_at: float = 0.0
+    #: The ranks' records of the process group each joined (parity.world).
+    world_dir: Path | None = None
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and not self.fault
 
     @property
     def reason(self) -> str:
@@ -118,9 +128,16 @@ class LaunchResult:
         """
         if self.ok:
             return "ok"
+        if self.fault and self.returncode == 0 and not self.timed_out:
+            return self.fault_kind
         if self.output_complete:
             return "teardown-hang" if self.timed_out else "teardown-crash"
         return "timeout" if self.timed_out else "crash"
+
+    def set_fault(self, kind: str, line: str) -> None:
+        """Fail this launch for ``line`` (a no-op when it is ''); the first fault stays."""
+        if line and not self.fault:
+            self.fault, self.fault_kind = line, kind
 
     @property
     def refused_arguments(self) -> str | None:
@@ -144,6 +161,7 @@ class LaunchResult:
                 {"rank": f.rank, "exitcode": f.exitcode, "signal": f.signal} for f in self.failures
             ],
             **({"note": self.note} if self.note else {}),
+            **({"fault": self.fault} if self.fault else {}),
         }
 
     def tail(self, rank: int, n_lines: int = 30) -> str:
@@ -163,6 +181,8 @@ class LaunchResult:
         where = f"run dir {self.run_dir}"
         if self.ok:
             return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
+        if self.reason == self.fault_kind and self.fault:  # ranks exited 0, yet it failed
+            return f"{self.fault} (launch logs: {self.run_dir})"
         lines: list[str] = []
         refused = self.refused_arguments  # bad input: say so before the rank details
         if refused is not None:
@@ -207,11 +227,13 @@ class LaunchResult:
 
 
 class LaunchError(RuntimeError):
-    """A launch that did not succeed; ``result`` holds the details."""
+    """A launch that did not succeed; ``result`` holds the details, ``label`` names the side."""
 
-    def __init__(self, result: LaunchResult):
-        super().__init__(result.describe())
+    def __init__(self, result: LaunchResult, label: str = ""):
+        text = result.describe()
+        super().__init__(f"{label}: {text}" if label else text)
         self.result = result
+        self.label = label
 
 
 def free_port() -> int:
@@ -234,13 +256,21 @@ def launch(
     on_tick: Callable[[], None] | None = None,
     finished: Callable[[], bool] | None = None,
     exit_grace_s: float = 60.0,
+    expect_world: int | None = None,
+    world_dir: Path | None = None,
 ) -> LaunchResult:
     """Run ``torchrun ... <module_or_script_args>`` and wait; on timeout or error kill it all.
 
+    run_dir is the launch's own folder (launcher.log, logs/, world/), never the job's output
+    folder. env: variables for the job (on top of this process's), also written into the
+    reproduce line at the head of launcher.log (secrets masked).
     on_tick, if given, is called about twice a second while the job runs (progress display).
     finished, if given, is polled as often: once it is true (the job's output is complete), the
     job has ``exit_grace_s`` more to exit before it is killed as hung at exit, instead of
     waiting out the whole timeout.
+    expect_world: the number of ranks that must form one process group (parity.world); the
+    result is not ok when they did not. world_dir: where the ranks record it (default
+    run_dir/world; a multi-node launch shares one).
     """
     run_dir = Path(run_dir).absolute()  # torchrun may run in another cwd
     log_dir = run_dir / "logs"
@@ -253,7 +283,8 @@ def launch(
         *torchrun_args, *module_or_script_args,
     ]  # fmt: skip
     launch_id = uuid.uuid4().hex
-    full_env = {**os.environ, **(env or {})}
+    world_dir = Path(world_dir) if world_dir is not None else run_dir / "world"
+    full_env = world.launch_env(world_dir, {**os.environ, **(env or {})})
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[LAUNCH_ID_ENV] = launch_id
@@ -263,7 +294,7 @@ def launch(
     start = time.monotonic()
     deadline, exit_by = start + timeout_s, None
     with open(launcher_log, "w") as log:
-        log.write(f"# {shlex.join(cmd)}\n")
+        log.write(f"# {reproduce_line(cmd, env or {})}\n")
         log.flush()
         proc = None
         try:
@@ -305,7 +336,10 @@ def launch(
         launcher_log=launcher_log,
         launch_id=launch_id,
         rank_logs=_find_rank_logs(log_dir, before),
+        world_dir=world_dir,
     )
+    if expect_world is not None:
+        result.set_fault("world", world.judge(world_dir, expect_world))
     if timed_out and deadline == exit_by:
         result.timeout_s = round(exit_by - start, 1)
         result.note = (
@@ -315,6 +349,23 @@ def launch(
     if not result.ok and not timed_out:
         result.failures = _parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
+
+
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def masked_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the values of variables whose names hold TOKEN, KEY, SECRET or PASSWORD
+    replaced by ``***``: what may be shown in logs and reports."""
+    return {
+        k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()
+    }
+
+
+def reproduce_line(cmd: Sequence[str], env: Mapping[str, str]) -> str:
+    """The shell line that reruns ``cmd`` with the variables the caller set (secrets masked)."""
+    assigned = [f"{k}={shlex.quote(v)}" for k, v in masked_env(env).items()]
+    return " ".join([*assigned, shlex.join(cmd)])
 
 
 def launch_or_raise(module_or_script_args: list[str], **kwargs) -> LaunchResult:
@@ -345,8 +396,12 @@ def launch_nodes(
     peer_grace_s: float = 30.0,
     finished: Callable[[], bool] | None = None,
     exit_grace_s: float = 60.0,
+    expect_world: int | None = None,
 ) -> LaunchResult:
     """An ``nnodes``-node job on this machine: one torchrun per node, each through ``launch``.
+
+    Every node's ranks record the group they joined in ``run_dir/world``; with expect_world
+    the merged result is not ok unless they formed one group of that size (parity.world).
 
     They meet at a c10d rendezvous on 127.0.0.1 (a fresh port and id); node i's launcher log and
     rank logs go to ``run_dir/node<i>``. ``node_ranks`` starts only those nodes here (the rest
@@ -387,7 +442,7 @@ def launch_nodes(
                 module_or_script_args, nproc=nproc, run_dir=run_dir / f"node{rank}",
                 timeout_s=timeout_s, env=env, torchrun_args=[*rdzv, *torchrun_args], cwd=cwd,
                 on_tick=lambda: tick(rank == ranks[0]), finished=finished,
-                exit_grace_s=exit_grace_s,
+                exit_grace_s=exit_grace_s, world_dir=run_dir / "world",
             )  # fmt: skip
         except _Cancelled:
             if not errors:  # stopped because another node failed: say so in its result
@@ -418,8 +473,12 @@ def launch_nodes(
             event.wait()
     if errors:
         raise errors[0]
-    return _merge_nodes(results, nnodes, run_dir, time.monotonic() - start, timeout_s,
-                        endpoint, rdzv_id, join_timeout_s)  # fmt: skip
+    merged = _merge_nodes(results, nnodes, run_dir, time.monotonic() - start, timeout_s,
+                          endpoint, rdzv_id, join_timeout_s)  # fmt: skip
+    merged.world_dir = run_dir / "world"
+    if expect_world is not None:
+        merged.set_fault("world", world.judge(merged.world_dir, expect_world))
+    return merged
 
 
 def _merge_nodes(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, Policy, _json, _resolve, compare_frames
+from parity.compare import Comparison, Policy, _json, _resolve, compare_frames, printable
 
 __all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies"]
 
@@ -73,20 +73,21 @@ class NoiseFloor:
         if self.deterministic:
             return "noise floor: zero (side A run twice is bitwise identical)"
         noisy = self.noisy()
+        shown = ", ".join(map(printable, noisy[:4])) + (", ..." if len(noisy) > 4 else "")
         return (
             f"environment is not deterministic: side A run twice differs in {len(noisy)} "
-            f"metric(s) ({', '.join(noisy[:4])}{', ...' if len(noisy) > 4 else ''}); "
+            f"metric(s) ({shown}); "
             "B was not judged"
         )
 
     def table(self) -> str:
-        """The floor per noisy metric (all metrics when there is no noise)."""
+        """The floor per noisy metric (all metrics when there is no noise); names printable()."""
         rows = [("metric", "max_abs", "max_rel", "max_ulp", "first_step")]
         for name, f in self.metrics().items():
             if self.deterministic or f["status"] != "match":
                 first = "-" if f["first_step"] is None else str(f["first_step"])
                 cells = (f["max_abs_diff"], f["max_rel_diff"], f["max_ulp"])
-                rows.append((name, *(repr(v) for v in cells), first))
+                rows.append((printable(name), *(repr(v) for v in cells), first))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [self.headline()]
         for r in rows:

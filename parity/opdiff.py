@@ -40,8 +40,53 @@ class OpTraceError(MetricsError):
     """An ops/ file that cannot be read; the message names the file and line."""
 
 
+def _first_line(e: BaseException) -> str:
+    """An error's first line, without the terminal colours torch's loader puts in it."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    return text.splitlines()[0].strip() if text else type(e).__name__
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _op_problem(rec: dict[str, Any]) -> str:
+    """What makes a record no op record ("" for a good one): the fields the diff reads, with
+    the types the tracer writes them in."""
+    missing = [k for k in ("i", "phase", "module", "op", "n", "out", "in") if k not in rec]
+    if missing:
+        return f"no {', '.join(map(repr, missing))}"
+    if not (_is_int(rec["i"]) and _is_int(rec["n"])):
+        return "'i' and 'n' must be integers"
+    if not all(isinstance(rec[k], str) for k in ("phase", "module", "op")):
+        return "'phase', 'module' and 'op' must be strings"
+    if not isinstance(rec["out"], list) or not all(
+        h is None or isinstance(h, str) for h in rec["out"]
+    ):
+        return "'out' must be a list of hashes"
+    if not isinstance(rec["in"], list) or not all(isinstance(x, str) for x in rec["in"]):
+        return "'in' must be a list of strings"
+    if rec.get("src") is not None and not isinstance(rec["src"], str):
+        return "'src' must be a string"
+    return ""
+
+
+def _end_problem(rec: dict[str, Any]) -> str:
+    """What makes an end record unusable ("" for a good one)."""
+    if not _is_int(rec.get("step")):
+        return "'step' must be an integer"
+    seconds, ops = rec.get("seconds"), rec.get("ops")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))):
+        return "'seconds' must be a number"
+    if ops is not None and not _is_int(ops):
+        return "'ops' must be an integer"
+    return ""
+
+
 def read_ops(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The op records of one rank's trace and its end record (None: the trace was cut off)."""
+    """The op records of one rank's trace and its end record (None: the trace was cut off).
+
+    OpTraceError, one line naming the file and line, for anything the tracer does not write."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -50,13 +95,21 @@ def read_ops(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     for lineno, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
+        except RecursionError:
+            raise OpTraceError(f"{path}:{lineno}: not valid JSON: nested too deeply") from None
         except ValueError as e:
             raise OpTraceError(f"{path}:{lineno}: not valid JSON: {e}") from None
+        if not isinstance(rec, dict):
+            raise OpTraceError(f"{path}:{lineno}: not an op record (not a JSON object)")
         if rec.get("event") == "end":
+            problem = _end_problem(rec)
+            if problem:
+                raise OpTraceError(f"{path}:{lineno}: bad end record ({problem})")
             end = rec
             continue
-        if not all(k in rec for k in ("i", "phase", "module", "op", "n", "out", "in")):
-            raise OpTraceError(f"{path}:{lineno}: not an op record")
+        problem = _op_problem(rec)
+        if problem:
+            raise OpTraceError(f"{path}:{lineno}: not an op record ({problem})")
         out.append(rec)
     return out, end
 
@@ -82,9 +135,13 @@ def ulp_distance(a, b) -> int | None:
     """Max ULP distance over the elements of two float tensors of one shape and dtype."""
     import torch
 
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None  # a values file holds what torch.load gives, not always tensors
     if a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
         return None
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None or a.layout != torch.strided or b.layout != torch.strided:
+        return None  # float8, sparse: no ULP line here
     bits = a.element_size() * 8
 
     def ordered(t):  # two's complement bits -> a monotonic integer line (-0.0 == +0.0)
@@ -112,6 +169,7 @@ class OpDiff:
     structural_count: int = 0
     cost: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> trace time, size
     detail: str = ""
+    errors: list[str] = field(default_factory=list)  # a values file that could not be read
 
     def line(self) -> str:
         if self.status == "unavailable":
@@ -158,10 +216,20 @@ class OpDiff:
 
 
 def _load_values(path: Path) -> dict:
+    """The kept output values beside a trace ({} when there are none); OpTraceError naming the
+    file when it cannot be read."""
     import torch
 
     pt = path.with_suffix(".pt")
-    return torch.load(pt, weights_only=True) if pt.is_file() else {}
+    if not pt.is_file():
+        return {}
+    try:
+        values = torch.load(pt, weights_only=True)
+    except Exception as e:  # a damaged file fails anywhere in torch's loader, in any class
+        raise OpTraceError(f"{pt}: unreadable ({type(e).__name__}: {_first_line(e)})") from None
+    if not isinstance(values, dict):
+        raise OpTraceError(f"{pt}: unreadable (not a dict of tensors)")
+    return values
 
 
 def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
@@ -214,10 +282,17 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
         return bool(only)
     x, y, j = first
     ulp = None
-    va, vb = _load_values(pa), _load_values(pb)
+    try:
+        va, vb = _load_values(pa), _load_values(pb)
+    except OpTraceError as e:  # the op is still named, without its ULP distance
+        va, vb = {}, {}
+        out.errors.append(str(e))
     key_a, key_b = f"{x['i']}.{j}", f"{y['i']}.{j}"
     if key_a in va and key_b in vb:
-        ulp = ulp_distance(va[key_a], vb[key_b])
+        try:
+            ulp = ulp_distance(va[key_a], vb[key_b])
+        except RuntimeError:  # a tensor torch cannot view as integers (meta, quantized)
+            ulp = None
     src = (
         x.get("src")
         if x.get("src") == y.get("src")

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from parity import runs
 from parity.compare import Comparison, Policy, compare_frames
 from parity.diagnose import diagnose
-from parity.files import write_json_atomic, write_text_atomic
-from parity.launch import LaunchResult
+from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
+from parity.launch import LaunchResult, masked_env
 from parity.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
+from parity.outdir import OutDir
 from parity.runs import Run
 from parity.spec import JobSpec, PairSpec
 
@@ -94,6 +95,11 @@ def teardown_notes(result: PairResult | CheckResult) -> list[str]:
     return [f"verdict {result.verdict}: {result.teardown_line()}"] if result.teardown else []
 
 
+def side_label(side: str, spec: JobSpec) -> str:
+    """How progress lines and errors name a side: `side b`, with its trainer for a preset."""
+    return f"side {side}" if spec.task == "custom" else f"side {side} ({spec.trainer})"
+
+
 def measure_floor(
     spec: JobSpec,
     out: Path,
@@ -107,8 +113,8 @@ def measure_floor(
     """
     out = Path(out).resolve()
     if a is None:
-        a = runs.run_job(spec, out / "a", label=f"A {spec.trainer}")
-    repeat = runs.run_job(spec, out / "a-repeat", label=f"A' {spec.trainer}")
+        a = runs.run_job(spec, out / "a", label=side_label("a", spec))
+    repeat = runs.run_job(spec, out / "a-repeat", label=side_label("a'", spec))
     floor = floor_from_frames(a.metrics, repeat.metrics, policies)
     floor.a_dir, floor.repeat_dir, floor.runs = a.dir, repeat.dir, (a, repeat)
     return a, repeat, floor
@@ -137,6 +143,32 @@ def run_pair(
     """
     out = Path(out).resolve()
     spec_a, spec_b = pair.sides()
+    with OutDir.open(out) as held:
+        held.claim(*PAIR_ENTRIES)  # before anything runs: refused if the user's is in the way
+        return _run_pair(
+            pair, spec_a, spec_b, out, policies, in_process, allow_teardown_failure, noise_floor
+        )
+
+
+#: what a pair writes in its folder: the sides' run and launch folders, the noise floor's
+#: repeat, the in-process launch, the op-trace reruns, the summary and the report
+PAIR_ENTRIES = tuple(
+    name
+    for side in ("a", "b", "a-repeat", "trace-a", "trace-b")
+    for name in (side, side + LAUNCH_SUFFIX)
+) + ("in-process", "summary.json", "summary.md", "report.md", "report.html")
+
+
+def _run_pair(
+    pair: PairSpec,
+    spec_a: JobSpec,
+    spec_b: JobSpec,
+    out: Path,
+    policies: dict | None,
+    in_process: bool,
+    allow_teardown_failure: bool,
+    noise_floor: bool,
+) -> PairResult:
     floor = a = None
     if noise_floor:
         a, repeat, floor = measure_floor(spec_a, out, policies)
@@ -153,10 +185,10 @@ def run_pair(
     else:
         if a is None:
             a = runs.run_job(
-                spec_a, out / "a", label=f"A {spec_a.trainer}", allow_teardown_failure=True
+                spec_a, out / "a", label=side_label("a", spec_a), allow_teardown_failure=True
             )
         b = runs.run_job(
-            spec_b, out / "b", label=f"B {spec_b.trainer}", allow_teardown_failure=True
+            spec_b, out / "b", label=side_label("b", spec_b), allow_teardown_failure=True
         )
     comparison = compare_frames(a.metrics, b.metrics, policies)
     result = PairResult(a, b, comparison, out, allow_teardown_failure, floor=floor)
@@ -164,13 +196,18 @@ def run_pair(
     return result
 
 
+def _shown(spec: JobSpec) -> dict[str, Any]:
+    """A spec as summaries show it: secrets in its env masked."""
+    return {**spec.to_dict(), "env": masked_env(spec.env)}
+
+
 def write_summary(result: PairResult) -> None:
     comparison = result.comparison.to_dict()
     sources = {side: comparison.pop(side) for side in ("a", "b")}  # the metrics files
     summary = {
         **comparison,
-        "a": {"spec": result.a.spec.to_dict(), "dir": str(result.a.dir), "metrics": sources["a"]},
-        "b": {"spec": result.b.spec.to_dict(), "dir": str(result.b.dir), "metrics": sources["b"]},
+        "a": {"spec": _shown(result.a.spec), "dir": str(result.a.dir), "metrics": sources["a"]},
+        "b": {"spec": _shown(result.b.spec), "dir": str(result.b.dir), "metrics": sources["b"]},
         "seconds": {"a": result.a.launch.duration_s, "b": result.b.launch.duration_s},
         "mode": "in-process" if result.a.in_process else "separate",
         "diagnosis": diagnose(result.a.dir, result.b.dir, result.comparison).to_dict(),

@@ -128,10 +128,14 @@ class ParityRunner:
     """
 
     def __init__(self, base_dir: Path, pool: bool = False):
+        from parity.outdir import OutDir
         from parity.pool import Pools
 
         self.base_dir = base_dir
-        self.pools = Pools(base_dir / "pools") if pool else None
+        self.pools = None
+        if pool:
+            with OutDir.open(base_dir) as held:
+                self.pools = Pools(held.make_dir("pools"))
         self._runs: dict[tuple, object] = {}
         self._separate: dict[tuple, object] = {}  # launched alone, where _runs holds in-process
         self._in_process: dict[tuple, object] = {}  # pair_in_process results, by both keys
@@ -243,13 +247,17 @@ class ParityRunner:
 
 @pytest.fixture(scope="session")
 def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[ParityRunner]:
+    from parity.outdir import OutDir
+
     keep = request.config.getoption("--parity-keep-runs")
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
-    base.mkdir(parents=True, exist_ok=True)
-    _cancellable(request.config, base)
-    runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
-    yield runner
-    runner.close()
+    with OutDir.open(base):  # held for the session: run folders made fresh, only ours removed
+        _cancellable(request.config, base)
+        runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
+        try:
+            yield runner
+        finally:
+            runner.close()
 
 
 def _cancellable(config: pytest.Config, base: Path) -> None:

@@ -87,6 +87,7 @@ class Pool:
                 timeout_s=FOREVER_S,
                 torchrun_args=self.torchrun_args,
                 on_tick=self._tick,
+                expect_world=self.nproc,
             )
         except _Stopped:
             pass
@@ -106,14 +107,17 @@ class Pool:
     def run(self, spec: JobSpec, out: Path) -> Run | None:
         """Run `spec` into `out`; None when the pool failed on it or it ran past its timeout
         (the pool is then gone: launch the job alone for its own report)."""
-        from parity.files import write_json_atomic
+        from parity.files import launch_dir, write_json_atomic
+        from parity.outdir import OutDir
 
         if not self.alive:
             return None
         out = Path(out).resolve()
-        out.mkdir(parents=True, exist_ok=True)
+        with OutDir.open(out.parent) as held:
+            held.make_dir(out.name)
+            launch_folder = held.make_dir(launch_dir(out).name)
         n, self.jobs = self.jobs, self.jobs + 1
-        logs = out / "logs" / "pool" / "attempt_0"  # torchrun's layout: <run>/attempt_0/<rank>/
+        logs = launch_folder / "logs" / "pool" / "attempt_0"  # torchrun's: <run>/attempt_0/<rank>/
         args = spec.to_args(out)
         write_json_atomic(
             _job_file(self.queue, n), {"module": args[1], "args": args[2:], "logs": str(logs)}
@@ -135,12 +139,16 @@ class Pool:
     def _read_back(
         self, spec: JobSpec, out: Path, n: int, record: dict[str, Any], logs: Path
     ) -> Run | None:
-        from parity.files import write_text_atomic
+        from parity import world
+        from parity.files import launch_dir, write_text_atomic
         from parity.inprocess import alone_line
         from parity.launch import LaunchResult
         from parity.readers import MetricsError, read_metrics
         from parity.runs import Run
 
+        if world.judge(self.folder / "world", self.nproc):
+            self.kill()  # not the world asked for: no job of it is trusted
+            return None
         try:
             metrics = read_metrics(out)
         except MetricsError:
@@ -151,14 +159,15 @@ class Pool:
             f"# ran as job {n} of the warm pool {self.folder / 'launcher.log'}",
             *([f"# mutants undone after it: {', '.join(undone)}"] if undone else []),
         ]
-        write_text_atomic(out / "launcher.log", "\n".join(lines) + "\n")
+        launcher_log = launch_dir(out) / "launcher.log"
+        write_text_atomic(launcher_log, "\n".join(lines) + "\n")
         result = LaunchResult(
             returncode=0,
             timed_out=False,
             duration_s=float(record["seconds"]),
-            run_dir=out,
+            run_dir=launch_dir(out),
             timeout_s=spec.timeout_s,
-            launcher_log=out / "launcher.log",
+            launcher_log=launcher_log,
             rank_logs={r: logs / str(r) / "stderr.log" for r in range(self.nproc)},
         )
         return Run(spec, out, result, metrics, in_process=True)

@@ -1,10 +1,13 @@
 """Reproducibility reports of two runs: report.md for a PR comment, report.html for a browser.
 
 Both say the verdict, where each metric first diverged, how the two environments differ and how
-to rerun each side. Every string from a log, metric file or manifest is untrusted text: it is
-HTML-escaped in both files (GitHub renders HTML inside markdown) and never parsed as mathtext
-by matplotlib. The HTML is self-contained (inline CSS, plots as PNG data URIs) and carries a
-content security policy that forbids scripts, so it can be opened from any CI artifact.
+to rerun each side. Every string from a log, metric file or manifest is untrusted text: its
+control characters are shown escaped (compare.printable), in report.md every character that
+could make markdown or HTML (a link, an image, a tag, a heading, a table cell) is backslash-
+escaped (md_escape; GitHub renders HTML inside markdown), in report.html it is HTML-escaped,
+quotes included, and matplotlib never parses it as mathtext. The HTML is self-contained
+(inline CSS, plots as PNG data URIs) and carries a content security policy that forbids
+scripts, so it can be opened from any CI artifact.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import html
 import io
 import json
 import os
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,10 +27,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from parity.compare import ULP_MAX, Comparison, MetricResult, Policy, compare_frames, ulp_distance
+from parity.compare import (
+    ULP_MAX,
+    Comparison,
+    MetricResult,
+    Policy,
+    compare_frames,
+    printable,
+    ulp_distance,
+)
 from parity.diagnose import Diagnosis, diagnose
 from parity.files import write_text_atomic
-from parity.readers import present_mask, read_metrics
+from parity.golden import read_manifest
+from parity.readers import MetricsError, present_mask, read_metrics
 
 __all__ = ["Report", "Side", "build_report", "load_side", "write_report"]
 
@@ -83,20 +96,20 @@ def load_side(
         return side
     manifest = run_dir / "manifest.json"
     if manifest.is_file():
-        try:
-            data = json.loads(manifest.read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            side.manifest = data
-        except (OSError, ValueError) as e:
-            side.manifest_error = f"{manifest}: unreadable ({e})"
+        try:  # a damaged manifest is a line of the report, never the end of it
+            side.manifest = read_manifest(manifest)
+        except MetricsError as e:
+            side.manifest_error = str(e)
     launcher = run_dir / "launcher.log"
-    if launcher.is_file():
+    try:
         with open(launcher, encoding="utf-8", errors="replace") as f:
-            first = f.readline().rstrip("\n")
-        if first.startswith("# "):
-            side.commands.append(("launcher (torchrun)", first[2:]))
-    argv = side.manifest.get("environment", {}).get("argv")
+            first = f.readline(1 << 20).rstrip("\n")
+    except OSError:  # no launcher.log (or none that can be read): no launcher command
+        first = ""
+    if first.startswith("# "):
+        side.commands.append(("launcher (torchrun)", first[2:]))
+    environment = side.manifest.get("environment")
+    argv = environment.get("argv") if isinstance(environment, dict) else None
     if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
         side.commands.append(("job sys.argv on rank 0, under torchrun", shlex.join(argv)))
     return side
@@ -138,12 +151,13 @@ def _num(v: Any) -> str:
 
 
 def _rows(comparison: Comparison) -> list[MetricResult]:
-    return sorted(comparison.metrics.values(), key=lambda m: (m.ok, _ORDER[m.status], m.name))
+    """Failures first, then by status and name (the table's order)."""
+    return comparison.results.ordered()
 
 
 def first_divergence(comparison: Comparison) -> MetricResult | None:
     """The diverged metric with the earliest first divergent step (ties: by name)."""
-    bad = [m for m in comparison.metrics.values() if m.first_divergent_step is not None]
+    bad = [m for m in comparison.failures if m.first_divergent_step is not None]
     return min(bad, key=lambda m: (m.first_divergent_step, m.name), default=None)
 
 
@@ -209,7 +223,7 @@ def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.plot(d.index, d["a"], "-o", ms=3, label="A")
     left.plot(d.index, d["b"], "--x", ms=4, label="B")
-    left.set_title(m.name, parse_math=False, loc="left", fontsize=10)
+    left.set_title(printable(m.name), parse_math=False, loc="left", fontsize=10)
     left.set_xlabel("step")
     left.legend(loc="best", fontsize=8)
     right.set_title("per-step difference", loc="left", fontsize=10)
@@ -247,7 +261,7 @@ class Report:
 
     def headline(self) -> str:
         c = self.comparison
-        counts = {s: sum(m.status == s for m in c.metrics.values()) for s in _ORDER}
+        counts = c.results.counts()
         text = f"parity: {c.verdict} (" + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         return text + ")"
 
@@ -275,17 +289,14 @@ class Report:
         return sources + self.comparison.read_lines()
 
     def markdown(self) -> str:
-        """A PR comment / CI step summary: every untrusted string escaped."""
-
-        def md(text: str) -> str:
-            return html.escape(text).replace("|", "\\|").replace("\n", " ")
-
+        """A PR comment / CI step summary: every untrusted string escaped (md_escape)."""
+        md = md_escape
         icon = "✅" if self.comparison.ok else "❌"
         out = [f"## {icon} {md(self.headline())}", ""]
         if self.first_line():
             out += [f"**{md(self.first_line())}**", ""]
         for line in [*self._extra_steps(), *self.notes]:
-            out += [md(line), ""]
+            out += [_md_paragraph(line), ""]
         if self.diagnosis is not None and self.diagnosis.lines():
             out += ["### Diagnosis", ""]
             out += [f"- {md(line)}" for line in self.diagnosis.lines()] + [""]
@@ -295,7 +306,7 @@ class Report:
         out += ["", "### Environment fingerprints", ""]
         rows = fingerprint_rows(self.a.manifest, self.b.manifest)
         errors = [s.manifest_error for s in (self.a, self.b) if s.manifest_error]
-        out += [md(e) for e in errors]
+        out += [_md_paragraph(e) for e in errors] + ([""] if errors else [])
         if rows:
             out += ["| | key | A | B |", "|---|---|---|---|"]
             for key, va, vb in rows:
@@ -305,7 +316,7 @@ class Report:
             out.append("no manifest.json on either side")
         out += ["", "### Reproduce", ""]
         for side in (self.a, self.b):
-            out.append(f"{md(side.label)}:")
+            out.append(f"{_md_paragraph(side.label)}:")
             out.append("")
             text = "\n".join(cmd for _, cmd in side.commands) or "# no launcher.log or manifest"
             fence = "`" * max(3, _longest_run(text, "`") + 1)
@@ -313,8 +324,12 @@ class Report:
         return "\n".join(out)
 
     def html(self) -> str:
-        """One self-contained page; escape() is applied to every string that is not ours."""
-        e = html.escape
+        """One self-contained page; e() (html.escape with quotes, control characters shown
+        escaped) is applied to every string that is not ours; commands keep theirs, in <pre>."""
+
+        def e(text: object) -> str:
+            return html.escape(printable(str(text)), quote=True)
+
         c = self.comparison
         first = first_divergence(c)
         body = [f"<h1 class='{e(c.verdict)}'>{e(self.headline())}</h1>"]
@@ -368,7 +383,7 @@ class Report:
             if not side.commands:
                 body.append("<p>no launcher.log or manifest</p>")
             for what, cmd in side.commands:
-                body.append(f"<p>{e(what)}</p><pre>{e(cmd)}</pre>")
+                body.append(f"<p>{e(what)}</p><pre>{html.escape(cmd, quote=True)}</pre>")
         return _PAGE.format(title=e(self.headline()), body="\n".join(body))
 
     def write(self, out_dir: str | os.PathLike[str]) -> Path:
@@ -377,6 +392,26 @@ class Report:
         write_text_atomic(out / "report.html", self.html())
         write_text_atomic(out / "report.md", self.markdown())
         return out / "report.md"
+
+
+# Markdown that text from a log could start: links and images ([x](u), ![x](u)), HTML and
+# autolinks (<img>, <a>, <http://..>), code spans, emphasis, strikethrough, table cells, entities.
+_MD_SPECIAL = re.compile(r"[\\`*~\[\]<>!#|&]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+_MD_LINE_START = re.compile(r"^(\s*|\s*\d+)([-+=.)])")  # a list item or setext underline
+
+
+def md_escape(text: str) -> str:
+    """``text`` as one line of inert markdown: control characters shown escaped (printable: a
+    ``\\r`` or ``\\n`` cannot start a line of its own, a heading), and every character that
+    could make a link, image, HTML, code span, heading, emphasis or table cell backslash-escaped
+    (an underscore inside a word stays: it makes nothing). Bare URLs stay text (GFM may still
+    underline them, with the URL itself as their text)."""
+    return _MD_SPECIAL.sub(lambda m: "\\" + m.group(), printable(text))
+
+
+def _md_paragraph(text: str) -> str:
+    """md_escape for a line of its own, which must not start a list item either."""
+    return _MD_LINE_START.sub(lambda m: m.group(1) + "\\" + m.group(2), md_escape(text))
 
 
 def _longest_run(text: str, ch: str) -> int:

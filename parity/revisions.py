@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from parity.compare import Comparison, Policy
-from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
+from parity.files import launch_dir
+from parity.launch import LaunchError, LaunchResult
+from parity.outdir import OutDir
 from parity.pair import teardown_line, teardown_notes, teardown_verdict
 from parity.readers import read_metrics
 from parity.report import Report, build_report
-from parity.runs import end_record_written, mark_teardown
+from parity.runs import detected, launch_spec, mark_teardown
 from parity.signals import deferred
-from parity.spec import JobSpec
+from parity.spec import READ_OPTIONS, JobSpec
 
 __all__ = [
     "CheckResult",
@@ -87,11 +88,20 @@ def repo_root(path: Path) -> Path:
 
 
 def resolve_revision(repo: Path, rev: str) -> str:
-    """The commit id of ``rev``; ``--end-of-options`` keeps a rev like ``--foo`` a rev."""
+    """The commit id of ``rev``; ``--end-of-options`` keeps a rev like ``--foo`` a rev. An
+    unknown one in a shallow clone (CI's default checkout) says so: it may well exist, in the
+    history the clone did not fetch."""
     try:
         return _git(repo, "rev-parse", "--verify", "-q", "--end-of-options", f"{rev}^{{commit}}")
     except RevisionError:
-        raise RevisionError(f"{repo}: unknown git revision {rev!r}") from None
+        pass
+    hint = ""
+    try:
+        if _git(repo, "rev-parse", "--is-shallow-repository") == "true":
+            hint = " (this is a shallow clone: fetch more history, e.g. git fetch --unshallow)"
+    except RevisionError:
+        pass
+    raise RevisionError(f"{repo}: unknown git revision {rev!r}{hint}")
 
 
 @contextmanager
@@ -132,39 +142,32 @@ def _git_unchecked(repo: Path, *args: str) -> None:
 
 
 def run_in_tree(
-    spec: JobSpec, tree: Path, run_dir: Path, allow_teardown: bool = False
+    spec: JobSpec,
+    tree: Path,
+    run_dir: Path,
+    allow_teardown: bool = False,
+    label: str | None = None,
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
-    allow_teardown: a run that failed only at teardown (complete metrics, see `mark_teardown`)
-    is returned, not ok and with its reason, for the caller to compare and report.
+    run_dir is made fresh (parity.runs.launch_spec: nothing an earlier run left is read as
+    this run's, nothing the harness did not make is removed). allow_teardown: a run that failed
+    only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
+    reason, for the caller to compare and report.
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
-    if run_dir.exists():  # a reused run folder: nothing a previous run left (in any format the
-        shutil.rmtree(run_dir)  # readers detect, e.g. trainer_state.json) is read as this run's
-    run_dir.mkdir(parents=True)
+    label = label or run_dir.name
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
-    since = time.time()
-    kwargs: dict[str, Any] = dict(
-        nproc=spec.nproc_per_node,
-        run_dir=run_dir,
-        timeout_s=spec.timeout_s,
-        env={"PYTHONPATH": os.pathsep.join(paths)},
-        torchrun_args=spec.torchrun_args,
-        cwd=tree,
-        finished=lambda: end_record_written(run_dir / "metrics.jsonl", since),
-    )
-    if spec.nnodes > 1:  # every node on this machine, as run_job does
-        join_s = min(60.0, spec.timeout_s)
-        result = launch_nodes(
-            spec.to_args(run_dir), nnodes=spec.nnodes, join_timeout_s=join_s, **kwargs
-        )
-    else:
-        result = launch(spec.to_args(run_dir), **kwargs)
+    env = {"PYTHONPATH": os.pathsep.join(paths)}
+    result = launch_spec(spec, run_dir, label, cwd=tree, env=env)
     if not result.ok:
-        whole = mark_teardown(result, run_dir / "metrics.jsonl", since) is not None
+        whole = mark_teardown(result, run_dir / "metrics.jsonl", result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash
-            raise LaunchError(result)
+            raise LaunchError(result, label)
+    elif not detected(run_dir):
+        result.set_fault("no-output", f"the job exited 0 but wrote no run this tool reads in "
+                         f"{run_dir}")  # fmt: skip
+        raise LaunchError(result, label)
     return result
 
 
@@ -181,13 +184,17 @@ def check_revisions(
     repo: Path | None = None,
     policies: Mapping[str, Policy | str] | None = None,
     allow_teardown_failure: bool = False,
+    read: Mapping[str, Any] | None = None,
 ) -> CheckResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
 
-    Runs go to out/base and out/head, the report to out. Raises RevisionError (bad repo or
-    revision), LaunchError (a run failed) or MetricsError (a run wrote bad metrics). A run that
-    failed only at teardown is compared anyway and named in ``result.teardown``; the verdict is
-    then "failed" unless allow_teardown_failure, as in `parity pair`.
+    Runs go to out/base and out/head, the report to out; a folder of those names that this
+    harness did not make is refused before anything runs (parity.outdir). Raises RevisionError
+    (bad repo or revision), LaunchError (a run failed) or MetricsError (a run wrote bad
+    metrics). A run that failed only at teardown is compared anyway and named in
+    ``result.teardown``; the verdict is then "failed" unless allow_teardown_failure, as in
+    `parity pair`. read: how each side is read (spec.READ_OPTIONS: format, run, duplicates,
+    allow_skipped).
     """
     root = repo_root(Path(repo or Path.cwd()))
     revs = {"base": base, "head": head or "HEAD"}
@@ -200,17 +207,36 @@ def check_revisions(
         notes.append(warning)
     out = Path(out).resolve()
     dirs = {side: out / side for side in revs}
-    launches = {}
-    for side in revs:
-        with worktree(root, commits[side]) as tree:
-            launches[side] = run_in_tree(spec, tree, dirs[side], allow_teardown=True)
     labels = [f"{side} {revs[side]} ({commits[side][:12]})" for side in revs]
-    report = build_report(dirs["base"], dirs["head"], policies, labels=labels, notes=notes)
-    result = CheckResult(
-        report.comparison, out / "report.md", dirs["base"], dirs["head"], commits["base"],
-        commits["head"], _failed(launches), allow_teardown_failure,
-    )  # fmt: skip
-    return _written(result, report, out)
+    launches = {}
+    with OutDir.open(out) as held:
+        held.claim(*_run_names(dirs.values()))
+        for side, label in zip(revs, labels, strict=True):
+            with worktree(root, commits[side]) as tree:
+                launches[side] = run_in_tree(spec, tree, dirs[side], True, label=label)
+        report = build_report(
+            dirs["base"], dirs["head"], policies, labels=labels, notes=notes, **_read(read)
+        )
+        result = CheckResult(
+            report.comparison, out / "report.md", dirs["base"], dirs["head"], commits["base"],
+            commits["head"], _failed(launches), allow_teardown_failure,
+        )  # fmt: skip
+        return _written(result, report, out)
+
+
+def _run_names(dirs) -> list[str]:
+    """The entries a run folder takes in its parent: itself and its launch folder."""
+    return [name for d in dirs for name in (d.name, launch_dir(d).name)]
+
+
+def _read(read: Mapping[str, Any] | None) -> dict[str, Any]:
+    """build_report's keywords for how both sides are read (spec.READ_OPTIONS)."""
+    options = {**READ_OPTIONS, **(read or {})}
+    both = {"run": options["run"], "duplicates": options["duplicates"]}
+    return {
+        "fmt": options["format"], "allow_skipped": options["allow_skipped"],
+        "read_a": both, "read_b": both,
+    }  # fmt: skip
 
 
 def _failed(launches: Mapping[str, LaunchResult]) -> list[tuple[str, LaunchResult]]:
@@ -232,6 +258,7 @@ def check_golden(
     tree: Path | None = None,
     policies: Mapping[str, Policy | str] | None = None,
     allow_teardown_failure: bool = False,
+    read: Mapping[str, Any] | None = None,
 ) -> CheckResult:
     """Run ``spec`` once on the current tree (the repo root, else cwd) and compare with a stored
     metrics file or run folder (any readable format); the run goes to out/current. A teardown
@@ -250,16 +277,24 @@ def check_golden(
                 f"{golden}: a golden with one baseline per environment; pass one of them: "
                 + ", ".join(str(b / "metrics.jsonl") for b in found)
             )
-    read_metrics(golden)  # a bad golden file fails before the run, not after
+    options = _read(read)
+    read_metrics(golden, options["fmt"], **options["read_a"])  # a bad golden fails before the run
     out = Path(out).resolve()
-    if (out / "current") in golden.resolve().parents or golden.resolve() == out / "current":
-        raise RevisionError(f"{golden}: golden file lies in the run folder {out / 'current'}")
     run_dir = out / "current"
-    launch_result = run_in_tree(spec, Path(tree).resolve(), run_dir, allow_teardown=True)
-    notes = [f"golden = {golden}", f"current = the working tree at {tree}, as it is now"]
-    report = build_report(golden, run_dir, policies, labels=["golden", "current"], notes=notes)
-    result = CheckResult(
-        report.comparison, out / "report.md", golden, run_dir, None, None,
-        _failed({"current": launch_result}), allow_teardown_failure,
-    )  # fmt: skip
-    return _written(result, report, out)
+    inside = {run_dir, launch_dir(run_dir)}
+    if inside & {golden.resolve(), *golden.resolve().parents}:
+        raise RevisionError(f"{golden}: golden file lies in the run folder {run_dir}")
+    with OutDir.open(out) as held:
+        held.claim(*_run_names([run_dir]))
+        launch_result = run_in_tree(
+            spec, Path(tree).resolve(), run_dir, allow_teardown=True, label="current tree"
+        )
+        notes = [f"golden = {golden}", f"current = the working tree at {tree}, as it is now"]
+        report = build_report(
+            golden, run_dir, policies, labels=["golden", "current"], notes=notes, **options
+        )
+        result = CheckResult(
+            report.comparison, out / "report.md", golden, run_dir, None, None,
+            _failed({"current": launch_result}), allow_teardown_failure,
+        )  # fmt: skip
+        return _written(result, report, out)

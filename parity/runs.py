@@ -1,24 +1,30 @@
 """Run one job under torchrun and read back what it wrote (the running layer; a matched pair
 of jobs is parity.pair).
 
-A run folder holds what the job wrote (metrics.jsonl, console.log, manifest.json) next to what
-the launcher captured (launcher.log, logs/ per rank).
+A run folder holds only what the job wrote (metrics.jsonl, console.log, manifest.json); what the
+launcher captured (launcher.log, logs/ per rank, world/: the process group each rank joined) lies
+beside it in RUN.launch/.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from parity.files import launch_dir
 from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
-from parity.readers import MetricsError, read_metrics
+from parity.outdir import OutDir
+from parity.readers import MetricsError, detect, read_metrics
 from parity.spec import JobSpec
 
 
@@ -37,22 +43,40 @@ class Run:
 
 
 def steps_logged(metrics_file: Path) -> int:
-    """How many step records a running job has written so far (for progress, not for results)."""
+    """How many steps a running job has written so far (for progress, not for results): the
+    distinct steps of its records, a step logged in two calls once."""
     try:
         with open(metrics_file, "rb") as f:
-            return sum(1 for line in f if line.startswith(b'{"step"'))
+            return len({m[1] for line in f if (m := _STEP.match(line))})
     except OSError:
         return 0
 
 
-class Progress:
-    """A step counter per side on a terminal (tqdm); silent in CI or when stderr is not a tty."""
+_STEP = re.compile(rb'\{"step": ?(-?\d+)')
 
-    def __init__(self, label: str, total: int, metrics_file: Path, enabled: bool | None = None):
-        if enabled is None:
-            enabled = sys.stderr.isatty() and not os.environ.get("CI")
-        self.metrics_file = metrics_file
+
+class Progress:
+    """A side's steps as the job writes them, so that a long run never looks hung: a tqdm bar on a
+    terminal; elsewhere (CI logs, a pipe) a line on stderr when the count moved, at most every
+    ``every_s`` seconds, and one at the start and the end. enabled=False: silent."""
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        metrics_file: Path,
+        enabled: bool | None = None,
+        every_s: float = 10.0,
+    ):
+        self.label, self.total, self.metrics_file = label, total, metrics_file
         self.bar = None
+        self.lines = False
+        self.every_s = every_s
+        self.start = self.shown_at = time.monotonic()
+        self.shown = 0
+        terminal = sys.stderr.isatty() and not os.environ.get("CI")
+        if enabled is None:
+            enabled, self.lines = terminal, not terminal
         if enabled:
             from tqdm import tqdm
 
@@ -60,15 +84,34 @@ class Progress:
             self.bar = tqdm(
                 total=total, desc=label, unit="step", file=sys.stderr, leave=True, ncols=width
             )
+        elif self.lines:
+            self._say("started")
+
+    def _say(self, what: str) -> None:
+        print(f"parity: {self.label}: {what}", file=sys.stderr, flush=True)
 
     def tick(self) -> None:
         if self.bar is not None:
             self.bar.update(steps_logged(self.metrics_file) - self.bar.n)
+        elif self.lines and time.monotonic() - self.shown_at >= self.every_s:
+            self.shown_at = time.monotonic()
+            steps = steps_logged(self.metrics_file)
+            seconds = round(self.shown_at - self.start)
+            if steps != self.shown:
+                self._say(f"step {steps}/{self.total} ({seconds} s)")
+            else:
+                self._say(f"running ({seconds} s, {steps} steps written)")
+            self.shown = steps
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """End the display; interrupted: no closing line (the command's own says what
+        happened, in one line)."""
         if self.bar is not None:
             self.tick()
             self.bar.close()
+        elif self.lines and not interrupted:
+            steps = steps_logged(self.metrics_file)
+            self._say(f"ended after {time.monotonic() - self.start:.0f} s ({steps} steps written)")
 
 
 def mark_teardown(result: LaunchResult, metrics_file: Path, since: float) -> pd.DataFrame | None:
@@ -78,7 +121,7 @@ def mark_teardown(result: LaunchResult, metrics_file: Path, since: float) -> pd.
     Why: the end record is written after the last training collective, so a crash after it is
     one of teardown, and the metrics are whole; anything else is a real failure.
     """
-    if result.ok:
+    if result.ok or result.fault:  # a run of the wrong world is never compared
         return None
     try:
         if metrics_file.stat().st_mtime < since - 1.0:  # a stale file from an earlier run
@@ -106,6 +149,59 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
     return last.startswith(b'{"event": "end"')
 
 
+def launch_spec(
+    spec: JobSpec,
+    out: Path,
+    label: str,
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    exit_grace_s: float = 60.0,
+) -> LaunchResult:
+    """Launch ``spec`` with ``out`` as its output folder: the one way every job is started.
+
+    ``out`` and its launch folder (parity.files.launch_dir: launcher.log, rank logs, the world
+    records) are made fresh and empty, each removed first only if this harness made it
+    (parity.outdir). The job runs with the spec's env (then ``env``: PYTHONPATH for a worktree),
+    one torchrun per node; a distributed job whose ranks did not form one group of
+    ``spec.world_size``, or one that exited 0 having written nothing at all, is failed.
+    """
+    out = Path(out).resolve()
+    with OutDir.open(out.parent) as held:
+        held.make_dir(out.name)
+        logs = held.make_dir(launch_dir(out).name)
+        progress = Progress(label, spec.steps, out / "metrics.jsonl")
+        since = time.time()
+        common = dict(
+            nproc=spec.nproc_per_node,
+            run_dir=logs,
+            timeout_s=spec.timeout_s,
+            env={**spec.env, **(env or {})},
+            torchrun_args=spec.torchrun_args,
+            cwd=cwd,
+            on_tick=progress.tick,
+            finished=lambda: end_record_written(out / "metrics.jsonl", since),
+            exit_grace_s=exit_grace_s,
+            expect_world=spec.world_size if spec.distributed else None,
+        )
+        try:
+            if spec.nnodes > 1:
+                join_s = min(60.0, spec.timeout_s)
+                result = launch_nodes(
+                    spec.to_args(out), nnodes=spec.nnodes, join_timeout_s=join_s, **common
+                )
+            else:
+                result = launch(spec.to_args(out), **common)
+        except BaseException:
+            progress.close(interrupted=True)
+            raise
+        progress.close()
+    result.started_at = since
+    if result.ok and not any(out.iterdir()):
+        result.set_fault("no-output", f"the job exited 0 but wrote nothing in {out}")
+    return result
+
+
 def run_job(
     spec: JobSpec,
     out: Path,
@@ -114,7 +210,9 @@ def run_job(
     allow_teardown_failure: bool = False,
     exit_grace_s: float = 60.0,
 ) -> Run:
-    """Launch one job; raise LaunchError (rank, exit code or signal, log tail) if it failed.
+    """Launch one job (``launch_spec``); raise LaunchError (rank, exit code or signal, log
+    tail; or the world its ranks formed instead) if it failed, its message led by ``label``
+    when one is given (a pair's "side b").
 
     A job that failed only at teardown (metrics complete, see ``mark_teardown``) raises too, with
     ``reason`` teardown-crash/-hang; with allow_teardown_failure its Run is returned instead,
@@ -124,31 +222,31 @@ def run_job(
     (``launch_nodes``).
     """
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    progress = Progress(label or out.name, spec.steps, out / "metrics.jsonl")
-    since = time.time()
-    common = dict(
-        nproc=spec.nproc_per_node,
-        run_dir=out,
-        timeout_s=spec.timeout_s,
-        torchrun_args=spec.torchrun_args,
-        on_tick=progress.tick,
-        finished=lambda: end_record_written(out / "metrics.jsonl", since),
-        exit_grace_s=exit_grace_s,
-    )
-    try:
-        if spec.nnodes > 1:
-            join_s = min(60.0, spec.timeout_s)
-            result = launch_nodes(
-                spec.to_args(out), nnodes=spec.nnodes, join_timeout_s=join_s, **common
-            )
-        else:
-            result = launch(spec.to_args(out), **common)
-    finally:
-        progress.close()
+    result = launch_spec(spec, out, label or out.name, exit_grace_s=exit_grace_s)
     if not result.ok:
-        metrics = mark_teardown(result, out / "metrics.jsonl", since)
+        metrics = mark_teardown(result, out / "metrics.jsonl", result.started_at)
         if metrics is None or not allow_teardown_failure:
-            raise LaunchError(result)
+            raise LaunchError(result, label or "")
         return Run(spec, out, result, metrics)
-    return Run(spec, out, result, read_metrics(out))
+    return Run(spec, out, result, read_output(result, out, label or ""))
+
+
+def read_output(result: LaunchResult, out: Path, label: str, **read: Any) -> pd.DataFrame:
+    """The metrics a successful launch wrote into ``out``; a folder with nothing readable fails
+    the launch (LaunchError, reason no-output), since the job did not give what it was run for."""
+    try:
+        return read_metrics(out, **read)
+    except MetricsError as e:
+        if detected(out):
+            raise  # the job's output is there, but damaged: bad input, said as such
+        result.set_fault("no-output", f"the job exited 0 but wrote no metrics this tool reads: {e}")
+        raise LaunchError(result, label) from None
+
+
+def detected(out: Path) -> bool:
+    """Whether some reader claims ``out`` (it holds a run in a known format)."""
+    try:
+        detect(out)
+    except MetricsError:
+        return False
+    return True

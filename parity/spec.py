@@ -24,6 +24,9 @@ except ModuleNotFoundError:  # Python 3.10
 import yaml
 
 TASKS = ("charcount-sft", "charcount-ppo", "custom")
+TABLES = ("a", "b", "policies", "read")  # a spec file's tables beside the job's keys
+#: how check and bisect read each side's run folder: read_metrics' and compare's options
+READ_OPTIONS = {"format": None, "run": None, "duplicates": "error", "allow_skipped": False}
 ENGINES = ("fsdp2", "ddp")
 VAL_LOSSES = ("fixed", "legacy")
 _MODULES = {"charcount-sft": "worker.sft", "charcount-ppo": "worker.ppo"}
@@ -57,6 +60,8 @@ class JobSpec:
     nnodes: int = 1
     torchrun_args: list[str] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # names of mutants to apply
+    env: dict[str, str] = field(default_factory=dict)  # variables the job runs with
+    distributed: bool = True  # False: one process without torch.distributed (world_size 1)
 
     def __post_init__(self) -> None:
         _choice("task", self.task, TASKS)
@@ -69,8 +74,14 @@ class JobSpec:
         _int("seed", self.seed)
         _int("micro_batch_size", self.micro_batch_size, minimum=1, optional=True)
         _int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1, optional=True)
-        if not isinstance(self.dynamic_bsz, bool):
-            raise SpecError(f"dynamic_bsz must be true or false, got {self.dynamic_bsz!r}")
+        for name in ("dynamic_bsz", "distributed"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not self.distributed and self.world_size != 1:
+            raise SpecError(
+                f"distributed = false runs one process without a process group: world_size must "
+                f"be 1, got {self.world_size}"
+            )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
             raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan would never time out
@@ -82,6 +93,7 @@ class JobSpec:
         object.__setattr__(self, "inject", _str_list("inject", self.inject))
         object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
         object.__setattr__(self, "overrides", _overrides(self.overrides))
+        object.__setattr__(self, "env", _env(self.env))
         self._check_batch()
         self._check_command()
 
@@ -186,12 +198,59 @@ class PairSpec:
         return {"base": self.base.to_dict(), "a": dict(self.a), "b": dict(self.b)}
 
 
+#: `parity spec --example`: every key with its default, as a commented spec to start from
+EXAMPLE = """\
+# A job spec for `parity pair --spec`, `parity check --spec` and `parity bisect --spec`.
+# Every key is optional; the values shown are the defaults. Keys at the top level describe the
+# job both sides run; the [a] and [b] tables override keys for one side only (a whole value
+# each: a table such as env or overrides is replaced, not merged).
+
+task = "custom"            # "custom": run `command`; or a preset: charcount-sft, charcount-ppo
+command = ["train.py", "--output_dir", "{out}", "--max_steps", "20"]
+                           # custom only: a script (or "-m", "module") and its arguments, run as
+                           # `torchrun ... COMMAND`; {out} is the run folder, empty at start
+world_size = 2             # ranks in all (default 1); must form one process group
+nnodes = 1                 # torchrun nodes (all on this machine); world_size / nnodes per node
+distributed = true         # false: one process without torch.distributed (world_size 1)
+steps = 20                 # what progress counts to (presets: the steps they train)
+seed = 0
+timeout_s = 600.0          # per run; the run is killed and reported as failed after it
+torchrun_args = []         # extra torchrun flags, e.g. ["--master-port", "29600"]
+inject = []                # mutants applied before the job starts (`parity mutants`)
+
+# the charcount presets only (the reference subject; a custom command is not given them):
+# trainer = "worker"  engine = "fsdp2"  global_batch_size = 16  micro_batch_size = 4
+# dynamic_bsz = false  max_tokens_per_rank = 4096  model = "path/to/hf-model"  val_loss = "fixed"
+# overrides = { val_samples = 16 }      # more job flags: --val-samples 16
+
+[env]                      # variables the job runs with (both sides; [a.env]/[b.env] per side)
+ACCELERATE_USE_CPU = "true"
+OMP_NUM_THREADS = "1"
+
+[policies]                 # per metric (globs allowed): exact, ulp:K, close:RTOL,ATOL, ignore
+"train/loss" = "exact"
+"eval/*" = "ulp:2"
+
+[read]                     # how check and bisect read each side's run folder
+# format = "hf-trainer-state"   # default: detected (see `parity compare --help`)
+# run = "NAME"                  # the run to read in a folder holding several
+duplicates = "error"       # a step logged twice with other values: error, first or last
+allow_skipped = false      # compare although a reader skipped records it could not use
+
+[b]                        # side b only (pair); check and bisect run one job on two revisions
+env = { ACCELERATE_USE_CPU = "true", MY_FLAG = "new" }
+"""
+
+
 def load_spec(path: str | Path) -> JobSpec | PairSpec:
     """Read a ``.toml`` or ``.yaml``/``.yml`` spec: job keys at top level, optional a/b tables
-    (and an optional ``policies`` table, read by ``load_policies``)."""
+    (and optional ``policies`` and ``read`` tables, read by ``load_policies`` and
+    ``load_read_options``)."""
     source = str(path)
     data = _read_spec(Path(path))
-    data.pop("policies", None)
+    _reject_unknown(data, source, TABLES)
+    for table in ("policies", "read"):
+        data.pop(table, None)
     a, b = data.pop("a", None), data.pop("b", None)
     base = JobSpec.from_dict(data, source)
     if a is None and b is None:
@@ -223,7 +282,7 @@ def _read_spec(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(path.read_text())
         else:
             raise SpecError(f"{source}: unsupported spec format {path.suffix!r} (.toml or .yaml)")
-    except (OSError, _TOML_ERROR, yaml.YAMLError) as e:
+    except (OSError, _TOML_ERROR, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(f"{source}: cannot read spec: {first}") from None
     if data is None:
@@ -254,17 +313,53 @@ def load_policies(path: str | Path) -> dict[str, str]:
     return dict(table)
 
 
+def load_read_options(path: str | Path | None) -> dict[str, Any]:
+    """The spec's ``[read]`` table (format, run, duplicates, allow_skipped) over the defaults
+    of READ_OPTIONS; each checked here, so that a bad one fails before any run."""
+    from parity.readers import DUPLICATE_RULES, FORMATS
+
+    options = dict(READ_OPTIONS)
+    if path is None:
+        return options
+    table = _read_spec(Path(path)).get("read", {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{path}: [read] must be a table, got {type(table).__name__}")
+    for key, value in table.items():
+        if key not in READ_OPTIONS:
+            raise SpecError(f"{path}: unknown key {str(key)[:80]!r} in [read]; valid keys: "
+                            f"{', '.join(READ_OPTIONS)}")  # fmt: skip
+        options[key] = value
+    checks = {
+        "format": options["format"] is None or options["format"] in FORMATS,
+        "run": options["run"] is None or isinstance(options["run"], str),
+        "duplicates": options["duplicates"] in DUPLICATE_RULES,
+        "allow_skipped": isinstance(options["allow_skipped"], bool),
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise SpecError(f"{path}: read.{key} = {options[key]!r} is not valid")
+    return options
+
+
 # --- helpers -----------------------------------------------------------------------------------
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec))
 
 
-def _reject_unknown(data: Mapping[str, Any], source: str) -> None:
+_GENERIC = ("task", "command", "world_size", "nnodes", "distributed", "steps", "seed",
+            "timeout_s", "torchrun_args", "inject", "env")  # fmt: skip
+
+
+def _reject_unknown(data: Mapping[str, Any], source: str, tables: tuple[str, ...] = ()) -> None:
+    """A key no spec has is refused with the valid ones, the keys every job has first."""
+    valid = (*_GENERIC, *tables, *(f for f in _FIELDS if f not in _GENERIC))
     for key in data:
-        if key not in _FIELDS:
-            close = difflib.get_close_matches(str(key), _FIELDS, n=1)
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecError(f"unknown key {key!r} in {source}{hint}")
+            raise SpecError(
+                f"unknown key {str(key)[:80]!r} in {source}{hint}; valid keys: {', '.join(valid)}"
+            )
 
 
 def _apply(base: JobSpec, overrides: Mapping[str, Any], source: str) -> JobSpec:
@@ -306,6 +401,20 @@ def _overrides(value: object) -> dict[str, Scalar]:
         if not isinstance(v, str | int | float | bool):
             raise SpecError(f"overrides[{key!r}] must be a string, number or bool, got {v!r}")
     return dict(value)
+
+
+def _env(value: object) -> dict[str, str]:
+    """Variable names as a shell takes them; values strings (numbers and bools spelled out)."""
+    if not isinstance(value, Mapping):
+        raise SpecError(f"env must be a table of NAME = value, got {value!r}")
+    out = {}
+    for key, v in value.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise SpecError(f"env name must be a non-empty string without '=', got {key!r}")
+        if not isinstance(v, str | int | float | bool):
+            raise SpecError(f"env[{key!r}] must be a string, number or bool, got {v!r}")
+        out[key] = _format_scalar(v)
+    return out
 
 
 def _format_scalar(value: Scalar) -> str:

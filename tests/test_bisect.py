@@ -1,8 +1,9 @@
-"""`parity bisect`: git bisect run with the harness as the test, the user's repo left untouched.
+"""`parity bisect`: git bisect driven from the harness, the user's repo left untouched.
 
 A temp repo of five commits holds a one-rank custom job (a plain script, about 3 s a launch); the
 third commit nudges train/loss by one ULP from step 4 on. The user is in the middle of a bisect
-of their own, with staged, unstaged and untracked edits: all of it must survive every run.
+of their own, with staged, unstaged and untracked edits: all of it must survive every run. The
+tests marked `parity` launch the job; the others replace each run by a fake one in-process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +24,9 @@ import pytest
 from helpers import interruptible
 
 import parity.bisect
-from parity.bisect import step_main
+import parity.revisions
+from parity.bisect import bisect
 from parity.cli import main
-
-pytestmark = pytest.mark.parity
 
 JOB = """\
 import json
@@ -123,6 +124,122 @@ def _bisect(repo: Path, out: Path, *extra: str) -> tuple[int, dict]:
     return code, json.loads(buf.getvalue())
 
 
+def launcher_logs(folder: Path) -> list[Path]:
+    """The launcher.log of each launch under ``folder``: in the run folder, or beside it in
+    RUN.launch/ (where the harness keeps a run's launch files)."""
+    return [*folder.glob("*/launcher.log"), *folder.glob("*.launch/launcher.log")]
+
+
+def fake_runs(monkeypatch, fail: tuple[str, ...] = (), restarted: bool = False) -> list[Path]:
+    """Replace each launch by a fake run in this process: it reads the checked-out job.py (its
+    NUDGE and label) and writes what the job would; restarted: each step twice, a junk value
+    first (read it with duplicates="last"). A commit whose label is in ``fail`` writes nothing
+    (a failed run). Returns the trees it ran in."""
+    trees: list[Path] = []
+
+    def fake_run(spec, tree, run_dir, *args, **kwargs):
+        trees.append(Path(tree))
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        job = (Path(tree) / "job.py").read_text()
+        if re.search(r"NUDGE = \w+  # (\w+)", job)[1] in fail:
+            return None
+        loss = math.nextafter(0.25, math.inf) if "NUDGE = True" in job else 0.25
+        rows = [{"step": 4, "train/loss": 9.0}] if restarted else []
+        rows.append({"step": 4, "train/loss": loss})
+        lines = [json.dumps(r) + "\n" for r in rows] + ['{"event": "end", "steps": 4}\n']
+        (run_dir / "metrics.jsonl").write_text("".join(lines))
+        return None
+
+    monkeypatch.setattr(parity.bisect, "run_in_tree", fake_run)
+    return trees
+
+
+PROGRESS = re.compile(
+    r"parity bisect: \[(\d+)/~(\d+)\] ([0-9a-f]{12}) (.+): (aligned|diverged|skipped)"
+)
+
+
+def progress_lines(err: str) -> list[re.Match]:
+    return [m for line in err.splitlines() if (m := PROGRESS.fullmatch(line))]
+
+
+def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeypatch, capsys):
+    """Every commit is tested in this process (no `git bisect run`, no shell), git is answered
+    good/bad from the verdict, and each tested commit gets one progress line; the reading
+    options reach every read and comparison."""
+    before = snapshot(repo)
+    trees = fake_runs(monkeypatch, restarted=True)
+    reads, compares, gits = [], [], []
+    real_read, real_compare, real_git = (
+        parity.bisect.read_metrics, parity.bisect.compare_frames, parity.revisions._git
+    )  # fmt: skip
+
+    def read(path, fmt=None, **kw):
+        reads.append((fmt, kw))
+        return real_read(path, fmt, **kw)
+
+    def compare(a, b, policies=None, **kw):
+        compares.append(kw)
+        return real_compare(a, b, policies, **kw)
+
+    def git_call(repo_, *args):
+        gits.append(args)
+        return real_git(repo_, *args)
+
+    monkeypatch.setattr(parity.bisect, "read_metrics", read)
+    monkeypatch.setattr(parity.bisect, "compare_frames", compare)
+    monkeypatch.setattr(parity.revisions, "_git", git_call)
+    policies = {"train/loss": "ulp:1@-3,exact@4-"}
+    result = bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, policies=policies,
+                    fmt="jsonl", duplicates="last", allow_skipped=True)  # fmt: skip
+    assert result.verdict == "found" and result.first_bad.commit == commit_of(repo, 3)
+    assert [t.commit for t in result.tested] == [commit_of(repo, n) for n in (5, 3, 2)]
+    assert len(trees) == 4  # the reference, then each tested commit: all in this process
+    assert all(r == ("jsonl", {"run": None, "duplicates": "last"}) for r in reads) and reads
+    assert compares == [{"allow_skipped": True}] * 3
+    assert not [a for a in gits if "bisect" in a and "run" in a]
+    lines = progress_lines(capsys.readouterr().err)
+    assert [(m[1], m[3], m[5]) for m in lines] == [
+        ("1", commit_of(repo, 5)[:12], "diverged"),
+        ("2", commit_of(repo, 3)[:12], "diverged"),
+        ("3", commit_of(repo, 2)[:12], "aligned"),
+    ]
+    assert lines[1][4] == "third: nudge the loss by one ULP" and lines[-1][2] == "3"
+    assert "# first bad commit: [" + commit_of(repo, 3) in (tmp_path / "bisect.log").read_text()
+    assert json.loads((tmp_path / "bisect.json").read_text()) == json.loads(
+        json.dumps(result.to_dict())
+    )
+    assert snapshot(repo) == before
+
+
+def test_failed_runs_are_skipped_and_can_leave_it_ambiguous(repo, tmp_path, monkeypatch):
+    """Every commit between good and bad fails to run: each is skipped, and git can only name
+    the candidates."""
+    before = snapshot(repo)
+    fake_runs(monkeypatch, fail=("two", "three", "four"))
+    monkeypatch.chdir(repo)
+    code, result = _bisect(repo, tmp_path, "--policy", "train/loss=exact")
+    assert code == 1 and result["verdict"] == "ambiguous" and result["first_bad"] is None
+    assert set(result["candidates"]) == {commit_of(repo, n) for n in (2, 3, 4, 5)}
+    verdicts = {t["commit"]: t["verdict"] for t in result["tested"]}
+    assert verdicts == {commit_of(repo, 5): "diverged"} | {
+        commit_of(repo, n): "skipped" for n in (2, 3, 4)
+    }
+    assert all(t["error"] for t in result["tested"] if t["verdict"] == "skipped")
+    assert "only skipped commits left" in (tmp_path / "bisect.log").read_text()
+    assert snapshot(repo) == before
+
+
+def test_reading_options_are_checked_before_any_run(repo, tmp_path, monkeypatch):
+    trees = fake_runs(monkeypatch)
+    with pytest.raises(ValueError, match="duplicates rule 'latest'"):
+        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, duplicates="latest")
+    with pytest.raises(ValueError, match="metrics format 'yaml'"):
+        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, fmt="yaml")
+    assert trees == []
+
+
 @pytest.fixture(scope="module")
 def found(repo, tmp_path_factory):
     before = snapshot(repo)
@@ -133,6 +250,7 @@ def found(repo, tmp_path_factory):
     return code, result, before, snapshot(repo), out
 
 
+@pytest.mark.parity
 def test_bisect_names_the_third_commit(found, repo):
     code, result, _, _, out = found
     assert code == 1 and result["verdict"] == "found"
@@ -150,6 +268,7 @@ def test_bisect_names_the_third_commit(found, repo):
     assert (out / "good" / "metrics.jsonl").is_file() and (out / "bisect.log").is_file()
 
 
+@pytest.mark.parity
 def test_bisect_leaves_the_repository_as_it_was(found):
     _, _, before, after, _ = found
     assert after == before
@@ -157,6 +276,7 @@ def test_bisect_leaves_the_repository_as_it_was(found):
     assert len(before["worktrees"].strip().split("\n\n")) == 1
 
 
+@pytest.mark.parity
 def test_policy_flag_overrides_the_spec_and_aligns(repo, tmp_path):
     """ulp:1 from step 4 on tolerates the nudge: bad is aligned with good, nothing to bisect."""
     before = snapshot(repo)
@@ -179,35 +299,29 @@ def test_bad_input(repo, tmp_path, monkeypatch, capsys):
     assert snapshot(repo) == before
 
 
-def test_interrupt_during_bisect_run_cleans_up(repo, tmp_path, monkeypatch):
-    """No launches: fake runs, then Ctrl-C while `git bisect run` would be running."""
+def test_interrupt_during_bisection_cleans_up(repo, tmp_path, monkeypatch):
+    """No launches: fake runs, then Ctrl-C while a commit of the bisection is being tested."""
     before = snapshot(repo)
-    trees: list[Path] = []
+    trees = fake_runs(monkeypatch)
+    real = parity.bisect.run_in_tree
 
-    def fake_run(spec, tree, run_dir):
-        trees.append(Path(tree))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        nudge = "NUDGE = True" in (Path(tree) / "job.py").read_text()
-        loss = math.nextafter(0.25, math.inf) if nudge else 0.25
-        (run_dir / "metrics.jsonl").write_text(
-            json.dumps({"step": 4, "train/loss": loss}) + '\n{"event": "end", "steps": 4}\n'
-        )
-        return run_dir
+    def interrupted(spec, tree, run_dir, *args, **kwargs):
+        if len(trees) == 2:  # the reference and the bad commit ran: now the bisection's first
+            assert git(tree, "bisect", "log").count("# bad:") == 1  # bisecting in the worktree
+            raise KeyboardInterrupt
+        return real(spec, tree, run_dir, *args, **kwargs)
 
-    def interrupted(tree, config):
-        assert git(tree, "bisect", "log").count("# bad:") == 1  # bisecting in the worktree only
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(parity.bisect, "run_in_tree", fake_run)
-    monkeypatch.setattr(parity.bisect, "_run_bisect", interrupted)
+    monkeypatch.setattr(parity.bisect, "run_in_tree", interrupted)
     monkeypatch.chdir(repo)
     with pytest.raises(KeyboardInterrupt):
         main(["bisect", "--good", "HEAD~4", "--bad", "main", "--spec", "spec.toml",
               "--out", str(tmp_path)])  # fmt: skip
     assert len(trees) == 2 and not any(t.exists() for t in trees)
     assert snapshot(repo) == before
+    assert not list(tmp_path.glob("bisect.*"))  # nothing claims a bisection that did not end
 
 
+@pytest.mark.parity
 def test_sigint_of_the_command_stops_everything(repo, tmp_path):
     """A real Ctrl-C (SIGINT to the parity process) while git bisect run tests a commit."""
     before = snapshot(repo)
@@ -217,7 +331,7 @@ def test_sigint_of_the_command_stops_everything(repo, tmp_path):
                             preexec_fn=interruptible)  # fmt: skip
     try:  # the bad commit's check is the first launch, a step of git bisect run the second
         deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("commits/*/launcher.log"))) < 2:
+        while len(launcher_logs(tmp_path / "commits")) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
@@ -228,19 +342,6 @@ def test_sigint_of_the_command_stops_everything(repo, tmp_path):
             proc.wait()
     assert proc.returncode in (-signal.SIGINT, 130), proc.stderr.read()
     assert snapshot(repo) == before
-
-
-def test_step_exit_codes(tmp_path, monkeypatch):
-    """The test command: a harness error stops the bisection (255), never marks a commit bad."""
-    assert step_main(["--config", str(tmp_path / "missing.json")]) == 255
-    config = tmp_path / "config.json"
-    spec = {"task": "custom", "command": ["job.py"], "world_size": 1}
-    config.write_text(json.dumps({"spec": spec, "reference": "r", "out": str(tmp_path),
-                                  "policies": {}}))  # fmt: skip
-    for verdict, code in (("aligned", 0), ("diverged", 1), ("skipped", 125)):
-        tested = parity.bisect.TestedCommit("c" * 40, "subject", verdict)
-        monkeypatch.setattr(parity.bisect, "_test_commit", lambda *a, t=tested, **k: t)
-        assert step_main(["--config", str(config)]) == code
 
 
 def test_text_names_the_culprit_and_what_was_tested():

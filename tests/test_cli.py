@@ -163,3 +163,17 @@ def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeyp
         failures[:] = [first]  # no usage line, or not argparse's exit code: a failed run
         assert main(args) == 3
         assert "run failed" in capsys.readouterr().err
+
+
+def test_a_policy_for_a_metric_whose_name_holds_an_equals_sign(tmp_path, capsys):
+    """`--policy METRIC=POLICY` splits on the last '=': a logged name such as `lr=peak` can be
+    given its policy (a policy never holds '=')."""
+    from parity.cli import main
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"step": 1, "lr=peak": 0.1}\n{"event": "end", "steps": 1}\n')
+    b.write_text('{"step": 1, "lr=peak": 0.9}\n{"event": "end", "steps": 1}\n')
+    assert main(["compare", str(a), str(b)]) == 1
+    assert main(["compare", str(a), str(b), "--policy", "lr=peak=ignore"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--policy", "=ignore"]) == 2

@@ -478,3 +478,289 @@ def test_float32_against_decimals_applies_both():
     c = compare_frames(state, tb)
     assert c.ok and c.metrics["m"].precision == "float32,decimals:3"
     assert "judged at float32 and 3 decimals" in c.table()
+
+
+# --- default noise policies: exact name segments, not substrings ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "perf/mfu/actor",  # verl
+        "perf/max_memory_reserved_gb",
+        "perf/cpu_memory_used_gb",
+        "perf/time_per_step",
+        "perf.mfu",  # W&B joins nested keys with "."
+        "timing_s/rollout",
+        "timing_per_token_ms/gen",
+        "train/device/mfu",  # Lightning's ThroughputMonitor
+        "train/device/flops_per_sec",
+        "train/time",
+        "DeviceStatsMonitor.on_train_batch_start/allocated_bytes.all.current",  # Lightning
+        "active_bytes.all.peak",
+        "eval/runtime",  # HF
+        "eval/samples_per_second",
+        "train/train_tokens_per_second",
+        "train_step_timing in s",  # NeMo
+        "TFLOPS_per_GPU",
+        "time_metrics/end_to_end(s)",  # torchtitan
+        "memory/max_active(GiB)",
+        "throughput(tps)",
+        "mem-max-allocated-bytes",  # Megatron
+        "system/gpu_0_memory_usage_megabytes",  # MLflow
+        "_runtime",  # W&B's own keys
+        "_timestamp",
+        "samples/s",
+        "train/elapsed",
+    ],
+)
+def test_default_policy_ignores_more_of_the_stacks_noise_keys(name):
+    assert default_policy(name).kind == "ignore"
+
+
+LOOK_ALIKES = [
+    "eval/memorization",
+    "rl/timestep_reward",
+    "train/sometimes_nan_loss",
+    "train/runtime_error_count",
+    "train/timesteps",
+    "train/times_clipped",
+    "train/optimizer_steps",
+    "eval/perfect_match",
+    "perfect/score",
+    "train/systematic_error",
+    "train/memoryless_rate",
+    "train/temperature",
+    "train/mfu_loss",
+    "train/flopsy",
+    "response_length/outputs",
+    "train/batches",  # Lightning's ThroughputMonitor counts: exact
+    "train/samples",
+    "train/total_tokens(B)",
+    "perf.total_num_tokens",
+]
+
+
+@pytest.mark.parametrize("name", LOOK_ALIKES)
+def test_names_that_only_look_like_noise_are_judged(name):
+    assert default_policy(name).kind == "exact"
+
+
+def test_look_alike_names_that_differ_diverge():
+    """0.1 against 0.9 in a metric whose name merely holds "time", "mem", "perf"... fails."""
+    a, b = frame(dict.fromkeys(LOOK_ALIKES, [0.1])), frame(dict.fromkeys(LOOK_ALIKES, [0.9]))
+    c = compare_frames(a, b)
+    assert c.verdict == "diverged"
+    assert sorted(m.name for m in c.failures) == sorted(LOOK_ALIKES)
+
+
+def test_every_noise_pattern_holds_a_search_keyword():
+    """_noise_mask only matches names that hold one of NOISE_KEYWORDS: every pattern must hold
+    one in a literal piece, with either separator, "\\n" marking the end of the name."""
+    import itertools
+    import re as regex
+
+    from parity.compare import NOISE_KEYWORDS, NOISE_PATTERNS
+
+    for pattern in NOISE_PATTERNS:
+        group = pattern.endswith("/**")
+        body = pattern[:-3] + "/" if group else pattern + "\n"
+        seps = [i for i, c in enumerate(body) if c in "/."]
+        for choice in itertools.product("/.", repeat=len(seps)):
+            text = list(body)
+            for i, c in zip(seps, choice, strict=True):
+                text[i] = c
+            pieces = regex.split(r"\*", "".join(text))
+            assert any(k in p for k in NOISE_KEYWORDS for p in pieces), (pattern, choice)
+
+
+def test_noise_of_many_names_at_once_is_noise_of_each():
+    from parity.compare import _noise_mask
+
+    names = [*LOOK_ALIKES, "perf/mfu", "x/tokens/s", "x.tokens.s", "a/tps", "A/TPS", "tps_x",
+             "İ/time", "İtime", "ß/mfu", "new\nline/time", "train/loss", "perf/", ""]  # fmt: skip
+    want = [default_policy(n).kind == "ignore" for n in names]
+    assert _noise_mask(names).tolist() == want
+    assert _noise_mask([n for n in names if "\n" not in n]).tolist() == [
+        w for n, w in zip(names, want, strict=True) if "\n" not in n
+    ]
+
+
+# --- many metrics: arrays once, the same results -------------------------------------------------
+
+
+def reference(a, b, policies=None, allow_missing=False):
+    """The metric-by-metric comparison compare_frames made before it worked on whole arrays:
+    each column read through pandas, each metric judged by _compare_metric."""
+    from parity.compare import _compare_metric, _resolve
+    from parity.readers import present_mask
+    from parity.readers.frame import FLOAT64, coarser
+
+    steps_index = a.index.union(b.index).sort_values()
+    steps = np.asarray(steps_index, dtype=np.int64)
+    present = {
+        side: present_mask(f).reindex(index=steps_index, fill_value=False).astype(bool)
+        for side, f in (("a", a), ("b", b))
+    }
+    out = {}
+    for name in sorted(set(map(str, a.columns)) | set(map(str, b.columns))):
+        cols = {}
+        for side, f in (("a", a), ("b", b)):
+            if name in f.columns:
+                values = f[name].reindex(steps_index).to_numpy(dtype=np.float64)
+                cols[side] = (values, present[side][name].to_numpy())
+            else:
+                cols[side] = (None, np.zeros(len(steps), dtype=bool))
+        precision = coarser(
+            (a.attrs.get("precision") or {}).get(name, FLOAT64),
+            (b.attrs.get("precision") or {}).get(name, FLOAT64),
+        )
+        policy = _resolve(name, policies or {})
+        args = (*cols["a"], *cols["b"], allow_missing, precision)
+        out[name] = _compare_metric(name, policy, steps, *args)
+    return out
+
+
+VALUES = [0.0, -0.0, 1.0, 1.0000000000000002, 0.1, np.nan, np.inf, -np.inf, 2.5, 1e300]
+
+
+@st.composite
+def frame_pairs(draw):
+    """Two frames of a few metrics: shared and one-sided names and steps, NaN, ±0, inf, values
+    1 ULP apart, absent cells, precisions and policies."""
+    names = draw(st.lists(st.sampled_from(["m0", "m1", "m2", "t/time", "m3"]), unique=True))
+    out = []
+    for _ in "ab":
+        steps = draw(st.lists(st.integers(0, 6), min_size=0, max_size=5, unique=True))
+        cols = [n for n in names if draw(st.booleans()) or n == "m0"]
+        shape = (len(steps), len(cols))
+        cells = draw(st.lists(st.sampled_from(VALUES), min_size=shape[0] * shape[1],
+                              max_size=shape[0] * shape[1]))  # fmt: skip
+        f = pd.DataFrame(
+            np.array(cells, dtype=np.float64).reshape(shape),
+            index=pd.Index(sorted(steps), dtype=np.int64, name="step"),
+            columns=cols,
+        )
+        has = draw(st.lists(st.booleans(), min_size=f.size, max_size=f.size))
+        f.attrs["present"] = pd.DataFrame(
+            np.array(has, dtype=bool).reshape(shape), index=f.index, columns=f.columns
+        )
+        f.attrs["precision"] = {
+            c: draw(st.sampled_from(["float64", "float32", "decimals:3"])) for c in cols
+        }
+        out.append(f)
+    if draw(st.booleans()):  # the same steps and metrics on both sides: the bulk path's case
+        b = out[0].copy()
+        b.attrs = dict(out[0].attrs)
+        out[1] = b
+    policies = draw(
+        st.dictionaries(
+            st.sampled_from(["m1", "m*", "t/*", "m3"]),
+            st.sampled_from(["exact", "ulp:1", "close:1e-3,0", "ignore", "exact@-2,ulp:1@3-"]),
+            max_size=2,
+        )
+    )
+    return out[0], out[1], policies, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame_pairs())
+def test_bulk_comparison_is_the_metric_by_metric_one(case):
+    """Bit for bit the results of judging each metric on its own, whatever the frames hold."""
+    from dataclasses import replace
+
+    a, b, policies, allow_missing = case
+    got = compare_frames(a, b, policies, allow_missing=allow_missing)
+    want = replace(got, metrics=reference(a, b, policies, allow_missing))
+    assert got.to_dict()["metrics"] == want.to_dict()["metrics"]
+    assert list(got.metrics) == list(want.metrics)
+    assert got.table() == want.table()
+    assert [m.name for m in got.failures] == [m.name for m in want.failures]
+    failed = any(not m.ok for m in want.metrics.values())
+    assert got.ok == (not failed and (allow_missing or not (got.steps_only_in_a or
+                                                            got.steps_only_in_b)))  # fmt: skip
+
+
+def test_results_read_like_a_dict():
+    a = frame({"x": [1.0, 2.0], "y": [1.0, 1.0], "train/mfu": [0.1, 0.2]})
+    b = frame({"x": [1.0, 2.5], "y": [1.0, 1.0], "train/mfu": [0.3, 0.4]})
+    c = compare_frames(a, b)
+    m = c.metrics
+    assert len(m) == 3 and list(m) == ["train/mfu", "x", "y"] and "x" in m and "z" not in m
+    assert m.get("z") is None and m["y"] is m["y"] and m["y"].status == "match"
+    assert [r.name for r in m.values()] == list(m) and [k for k, _ in m.items()] == list(m)
+    assert dict(m.items()) == reference(a, b) and m == reference(a, b)
+    assert [r.name for r in c.failures] == ["x"] and m["train/mfu"].status == "ignored"
+    with pytest.raises(KeyError):
+        m["z"]
+    import copy
+
+    assert copy.deepcopy(c).to_dict() == c.to_dict()  # pickle's protocol: a pool can send it
+
+
+class _CountCopies:
+    """An attrs value that counts how often pandas deep-copies it."""
+
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        type(self).copies += 1
+        return self
+
+
+def test_compare_reads_the_frames_once_not_once_per_metric():
+    """Selecting a column of a frame deep-copies its attrs (pandas' __finalize__), and read
+    frames carry a present mask of their own size: per metric, that made compare quadratic."""
+    data = {f"m{i:03d}": [1.0, 2.0] for i in range(200)}
+    a, b = frame(data), frame(data)
+    for f in (a, b):
+        f.attrs["counter"] = _CountCopies()
+    _CountCopies.copies = 0
+    assert compare_frames(a, b).ok
+    assert _CountCopies.copies <= 4  # not one per metric
+
+
+# --- names from logs are data: one metric, one line ---------------------------------------------
+
+EVIL = [
+    "x\nverdict: aligned",
+    "y\x1b[2K\x1b[1A",  # ANSI: erase the line, cursor up
+    "z\r# parity: aligned",
+    "w\x7f\x85\u2028\u202e",
+]
+
+
+def test_printable_escapes_control_characters():
+    from parity.compare import printable
+
+    assert printable("train/loss") == "train/loss"
+    assert printable("a\nb\rc\td") == "a\\nb\\rc\\td"
+    assert printable("\x1b[2K\x00\x7f\x85\x9f") == "\\x1b[2K\\x00\\x7f\\x85\\x9f"
+    assert printable("\u2028\u2029\u202e\u2066") == "\\u2028\\u2029\\u202e\\u2066"
+    assert printable("héllo ü 損失") == "héllo ü 損失"
+
+
+def test_table_shows_names_and_sources_with_control_characters_escaped():
+    a, b = frame(dict.fromkeys(EVIL, [0.1])), frame(dict.fromkeys(EVIL, [0.9]))
+    a.attrs.update(source="a.log\nverdict: aligned", format="jsonl", notes=["n\x1b[1A"])
+    table = compare_frames(a, b).table()
+    lines = table.splitlines()
+    assert lines[0].startswith("verdict: diverged (4 diverged)")
+    assert "a=a.log\\nverdict: aligned" in lines[0]
+    assert sum(line.startswith("verdict:") for line in lines) == 1
+    assert len(lines) == 2 + len(EVIL) + 2  # verdict, header, a row per metric, a's read lines
+    assert not any(c in table for c in "\r\x1b\x7f\x85\u2028\u202e")
+    for name in ("x\\nverdict: aligned", "y\\x1b[2K\\x1b[1A", "z\\r# parity: aligned"):
+        assert any(line.startswith(name) for line in lines), name
+    assert "a: note: n\\x1b[1A" in lines
+
+
+def test_noise_floor_shows_names_printable():
+    from parity.noise import floor_from_frames
+
+    a, again = frame(dict.fromkeys(EVIL, [1.0, 2.0])), frame(dict.fromkeys(EVIL, [1.0, 2.5]))
+    floor = floor_from_frames(a, again)
+    text = floor.table()
+    assert "x\\nverdict: aligned" in floor.headline() and "\n" not in floor.headline()
+    assert len(text.splitlines()) == 2 + len(EVIL) + 1  # headline, header, rows, the advice
+    assert not any(c in text for c in "\r\x1b\x7f\x85\u2028\u202e")

@@ -289,6 +289,120 @@ def test_report_and_cli_show_the_diagnosis_escaped(tmp_path, capsys):
     assert (out["diagnosis"]["kind"], out["diagnosis"]["step"]) == ("batches differ", 2)
 
 
+def _traced(run: Path, scale: float = 1.0) -> Path:
+    """Trace one toy step into run/ops/ (rank 0): a linear, scaled by `scale`."""
+    from parity.record import trace_ops
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with trace_ops(run, 1, model, rank=0):
+        (model(torch.ones(2, 4)) * scale).sum().backward()
+    return run
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _replace_line(path: Path, index: int, text: str) -> None:
+    lines = path.read_text().splitlines()
+    lines[index] = text
+    path.write_text("\n".join(lines) + "\n")
+
+
+OP_DAMAGE = {
+    "a line that is no JSON object": lambda p: _replace_line(p, 1, "[1, 2]"),
+    "an op record of the wrong types": lambda p: _replace_line(p, 1, json.dumps(
+        {"i": "x", "phase": 1, "module": "", "op": "o", "n": 0, "out": [], "in": []})),
+    "a JSON nested too deep": lambda p: _replace_line(p, 1, DEEP),
+    "an end record with a string for seconds": lambda p: _replace_line(
+        p, -1, json.dumps({"event": "end", "step": 1, "ops": 3, "seconds": "fast"})),
+    "bytes that are no UTF-8": lambda p: p.write_bytes(b"\xff\xfe" + p.read_bytes()),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", sorted(OP_DAMAGE))
+def test_a_damaged_op_trace_is_one_error_and_the_rest_stands(tmp_path, damage):
+    a = _traced(make_run(tmp_path / "a"))
+    b = _traced(make_run(tmp_path / "b", loss_from=2), scale=1.5)
+    trace = a / "ops" / "rank0.jsonl"
+    OP_DAMAGE[damage](trace)
+    d = _diagnose(a, b)
+    assert (d.kind, d.step, d.metric) == ("same batches, numbers differ", 2, "train/loss")
+    assert d.ops.status == "unavailable" and len(d.errors) == 1
+    assert d.errors[0].startswith(f"{trace}") and "\n" not in d.errors[0]
+    assert d.lines()[-1] == d.errors[0] and json.dumps(d.to_dict(), allow_nan=False)
+
+
+class _NotAllowed:
+    """Pickled into a values file, refused by torch.load(weights_only=True)."""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "refused by weights_only", "not a dict"])
+def test_a_damaged_values_file_leaves_the_op_named_without_its_ulp(tmp_path, damage):
+    a = _traced(make_run(tmp_path / "a"))
+    b = _traced(make_run(tmp_path / "b", loss_from=2), scale=1.5)
+    values = a / "ops" / "rank0.pt"
+    if damage == "truncated":
+        values.write_bytes(values.read_bytes()[: values.stat().st_size // 2])
+    elif damage == "not a dict":
+        torch.save([torch.ones(2)], values)
+    else:
+        torch.save({"0.0": _NotAllowed()}, values)
+    d = _diagnose(a, b)
+    assert d.ops.status == "differ" and d.ops.first["ulp"] is None, d.ops.line()
+    assert "ULP not kept" in d.ops.line() and d.kind == "same batches, numbers differ"
+    assert len(d.errors) == 1 and d.errors[0].startswith(f"{values}: unreadable (")
+    assert "\n" not in d.errors[0] and d.errors[0] in d.lines()
+
+
+def test_equal_runs_with_a_damaged_trace_still_compare_aligned(tmp_path, capsys):
+    a, b = _traced(make_run(tmp_path / "a")), _traced(make_run(tmp_path / "b"))
+    (a / "ops" / "rank0.pt").write_bytes(b"PK\x03\x04 cut off")
+    assert main(["compare", str(a), str(b)]) == 0  # equal ops: the values are never read
+    capsys.readouterr()
+    _replace_line(a / "ops" / "rank0.jsonl", 2, '"an op"')
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert f"diagnosis: {a / 'ops' / 'rank0.jsonl'}:3: not an op record" in out
+    assert out.rstrip().endswith("verdict: aligned")
+
+
+RECORD_DAMAGE = {
+    "a JSON nested too deep": lambda p: _replace_line(p, 1, DEEP),
+    "a line that is no JSON object": lambda p: _replace_line(p, 1, '"step"'),
+    "bytes that are no UTF-8": lambda p: p.write_bytes(b"\xff" + p.read_bytes()),
+    "a folder in its place": lambda p: (p.unlink(), p.mkdir()),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+@pytest.mark.parametrize("file", ["ranks/rank0.jsonl", "ranks/rank1.jsonl", "fingerprints.jsonl"])
+def test_damaged_rank_and_fingerprint_files_are_one_error(tmp_path, damage, file):
+    fp = {1: _fp(), 2: _fp()}
+    a = make_run(tmp_path / "a", fingerprints=fp)
+    b = make_run(tmp_path / "b", loss_from=2, fingerprints=fp)
+    RECORD_DAMAGE[damage](a / file)
+    d = _diagnose(a, b)
+    if (file, damage) == ("fingerprints.jsonl", "a folder in its place"):  # no such file
+        assert "no fingerprints.jsonl in a" in d.fingerprints.line() and not d.errors
+        return
+    assert d.verdict == "diverged" and d.errors and d.errors[0].startswith(str(a / file))
+    assert all("\n" not in e for e in d.errors) and json.dumps(d.to_dict(), allow_nan=False)
+    if file == "fingerprints.jsonl":  # the batches still say what kind of divergence it is
+        assert d.kind == "same batches, numbers differ"
+
+
+def test_names_from_files_are_printable_in_the_diagnosis(tmp_path):
+    a = make_run(tmp_path / "a", fingerprints={1: _fp()})
+    evil = "layer\nverdict: aligned\x1b[2K"
+    fb = {1: {"params": {n: "p" for n in TENSORS}, "grads": {n: "g" for n in TENSORS}}}
+    fb[1]["params"][evil] = "x"
+    b = make_run(tmp_path / "b", loss_from=1, fingerprints=fb)
+    lines = _diagnose(a, b).lines()
+    assert any("layer\\nverdict: aligned\\x1b[2K" in line for line in lines), lines
+    assert not any("\n" in line or "\x1b" in line for line in lines)
+
+
 def test_job_log_writes_rank_records_and_resumes_in_place(tmp_path):
     from worker.metrics_log import JobLog
 

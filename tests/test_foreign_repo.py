@@ -236,14 +236,15 @@ def _cli(repo: dict[str, str], out: Path, *args: str) -> tuple[int, dict, dict, 
     start = time.monotonic()
     try:
         mp.chdir(root)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
+        buf, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
             code = main([*args, "--spec", "parity.toml", "--out", str(out), "--json"])
     finally:
         mp.undo()
     seconds = time.monotonic() - start
     print(f"parity {args[0]} {' '.join(args[1:])}: {seconds:.1f} s")
     result = json.loads(buf.getvalue().strip().splitlines()[-1])
+    result["_stderr"] = err.getvalue()  # the progress lines
     return code, result, before, snapshot(root), seconds
 
 
@@ -277,6 +278,11 @@ def test_the_refactor_is_aligned(refactor_check, repo):
         assert metrics[name]["status"] == "match" and metrics[name]["policy"] == "exact", name
     assert metrics["train/train_runtime"]["status"] == "ignored"
     assert after == before
+    progress = [line for line in result["_stderr"].splitlines() if line.startswith("parity: ")]
+    base = f"parity: base {repo['base']} ({repo['base'][:12]}): "
+    head = f"parity: head {repo['refactor']} ({repo['refactor'][:12]}): "
+    assert progress[0] == base + "started" and progress[-1].startswith(head + "ended after")
+    assert any(line.startswith(head) for line in progress), progress
 
 
 def test_the_warmup_change_diverges_at_step_2(head_check, repo):

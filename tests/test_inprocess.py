@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from specs import LAUNCH_MODES
 
 from parity import assert_parity
+from parity.files import launch_dir
 from parity.inprocess import (
     SEPARATOR,
     SideRunner,
@@ -54,7 +55,7 @@ def test_in_process_pair_is_bitwise_two_launches(parity_runner):
         assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
         for name in ("metrics.jsonl", "console.log", "manifest.json", "timing.json"):
             assert (run.dir / name).is_file(), name
-        first = (run.dir / "launcher.log").read_text().splitlines()[0]
+        first = (launch_dir(run.dir) / "launcher.log").read_text().splitlines()[0]
         assert first.startswith("# ") and f"--out {run.dir}" in first  # reproduces the side
     assert_parity(together.a, together.b)  # and the pair itself is aligned
 

@@ -124,6 +124,34 @@ def test_ulp_distance():
     assert ulp_distance(a, b) == 1 and ulp_distance(a, a) == 0
     assert ulp_distance(a.bfloat16(), a.bfloat16()) == 0 and ulp_distance(a, a[:2]) is None
 
+    assert ulp_distance([1.0], [1.0]) is None  # a values file may hold what is no tensor
+    eight = torch.ones(2).to(torch.float8_e4m3fn)
+    assert ulp_distance(eight, eight) is None  # no integer view of one byte's float here
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        ("[1, 2]", "not an op record (not a JSON object)"),
+        ('{"i": 0}', "not an op record (no 'phase', 'module', 'op', 'n', 'out', 'in')"),
+        ('{"i": 0, "phase": "f", "module": "", "op": "o", "n": 0, "out": "h", "in": []}',
+         "not an op record ('out' must be a list of hashes)"),
+        ('{"i": true, "phase": "f", "module": "", "op": "o", "n": 0, "out": [], "in": []}',
+         "not an op record ('i' and 'n' must be integers)"),
+        ('{"event": "end", "step": "1"}', "bad end record ('step' must be an integer)"),
+        ("[" * 5000 + "]" * 5000, "not valid JSON: nested too deeply"),
+    ],
+)  # fmt: skip
+def test_read_ops_names_the_line_it_cannot_use(tmp_path, line, why):
+    from parity.opdiff import OpTraceError, read_ops
+
+    path = tmp_path / "rank0.jsonl"
+    path.write_text('{"i": 0, "phase": "step", "module": "", "op": "o", "n": 0, "out": [], '
+                    f'"in": []}}\n{line}\n')  # fmt: skip
+    with pytest.raises(OpTraceError) as e:
+        read_ops(path)
+    assert str(e.value) == f"{path}:2: {why}"
+
 
 # --- multi-rank: worker vs worker + mutant, both traced at step 1 (the first divergent step) ----
 

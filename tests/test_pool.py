@@ -24,6 +24,7 @@ from specs import LAUNCH_MODES
 
 from parity import assert_parity
 from parity.compare import compare_frames
+from parity.files import launch_dir
 from parity.launch import LaunchResult
 from parity.plugin import ParityRunner
 from parity.pool import Pools
@@ -56,7 +57,7 @@ def test_pool_jobs_are_bitwise_separate_launches(parity_runner, tmp_path):
     # the mutant (another data order) reached its own job only, and was undone after it
     diverged = compare_frames(broken.metrics, alone.metrics).failures
     assert min(r.first_divergent_step for r in diverged) == 1
-    log = (broken.dir / "launcher.log").read_text()
+    log = (launch_dir(broken.dir) / "launcher.log").read_text()
     assert "DistributedSampler.__init__" in log and "pool01-w2" in log
     assert log.startswith("# ") and f"--out {broken.dir}" in log.splitlines()[0]
     for run in (broken, clean, legacy):

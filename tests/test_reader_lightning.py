@@ -184,7 +184,7 @@ def test_rows_without_step_and_cells_not_numbers_are_counted(tmp_path):
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
-        ("loss,step\r\n0.5,1\r\n0.25", r"metrics\.csv:3: file is truncated: expected 2 fields"),
+        ("loss,step", r"metrics\.csv:1: no metrics records: the only line has no newline"),
         ("loss,step\r\n0.5,1,9\r\n0.25,2\r\n", r"metrics\.csv:2: expected 2 fields, got 3"),
         ('loss,step\r\n"0.5,1\r\n', r"metrics\.csv:\d+: expected 2 fields, got 1"),
         ("loss,step\r\n", r"metrics\.csv: no metrics records"),
@@ -199,10 +199,30 @@ def test_bad_files_are_one_line_errors(tmp_path, text, pattern):
 
 
 def test_digits_beyond_float64_are_not_read_as_inf(tmp_path):
-    frame = read_metrics(version_file(tmp_path, "loss,step\r\n" + "9" * 400 + ",1\r\n"))
+    from parity.readers.frame import UNFIT
+
+    text = "loss,step\r\n" + "9" * 400 + ",1\r\n1e-400,2\r\n1e-310,3\r\ninf,4\r\n"
+    frame = read_metrics(version_file(tmp_path, text))
     assert frame.attrs["skipped"] == [
-        {"reason": "cells that are not numbers", "count": 1, "where": ["line 2 (loss)"]}
+        {"reason": UNFIT, "count": 2, "where": ["line 2 (loss)", "line 3 (loss)"]}
     ]
+    assert frame.at[3, "loss"] == 1e-310 and frame.at[4, "loss"] == math.inf
+
+
+def test_a_last_row_without_its_newline_is_a_cut_tail(tmp_path):
+    """A save cut short: `0.25` of `0.2512` still parses; the row is skipped and counted, so
+    compare refuses the side (no verdict from it) unless told to allow skipped records."""
+    from parity.compare import compare_frames
+    from parity.readers import SkippedRecordsError
+    from parity.readers.text import CUT_TAIL
+
+    frame = read_metrics(version_file(tmp_path, "loss,step\r\n0.5,1\r\n0.25,2"), FMT)
+    assert list(frame.index) == [1]
+    assert frame.attrs["skipped"] == [{"reason": CUT_TAIL, "count": 1, "where": ["line 3"]}]
+    with pytest.raises(SkippedRecordsError, match=r"metrics\.csv.*line 3"):
+        compare_frames(frame, frame)
+    cut = read_metrics(version_file(tmp_path, "loss,step\r\n0.5,1\r\n0.25"), FMT)  # 1 field
+    assert cut.attrs["skipped"] == frame.attrs["skipped"]
 
 
 # --- fuzzing ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from parity.compare import compare_frames
 from parity.readers import MetricsError, detect, present_mask, read_metrics, skipped_count
+from parity.readers.text import CUT_TAIL
 
 SETTINGS = settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -119,49 +120,99 @@ def test_nan_and_infinity_as_json_dumps_writes_them(tmp_path):
     assert math.copysign(1, frame.loc[2, "loss"]) == -1
 
 
-def test_list_steps_use_the_last_element(tmp_path):
+def test_list_steps_are_numbered_in_order_of_first_appearance(tmp_path):
     # DeepLearningExamples' BERT: dllogger.log(step=(epoch, global_step), ...)
     f = tmp_path / "bert.json"
     lines = [dll_log([e, s], {"step_loss": 8.0 - s / 10}) for e, s in [(0, 1), (0, 2), (1, 3)]]
     f.write_text("".join(lines))
     frame = read_metrics(f)
     assert list(frame.index) == [1, 2, 3]
+    assert frame.attrs["step_labels"] == {1: [0, 1], 2: [0, 2], 3: [1, 3]}
     assert frame["step_loss"].tolist() == [8.0 - 0.1, 8.0 - 0.2, 8.0 - 0.3]
-    assert any("the step is the last one" in n for n in frame.attrs["notes"])
-    # [n] is the int n
+    assert any("numbered in order of first appearance" in n for n in frame.attrs["notes"])
+    # steps of one number each: [n] is the int n, and there are no labels
     g = tmp_path / "one.json"
     g.write_text(dll_log([4], {"x": 1.0}) + dll_log(5, {"x": 2.0}))
     assert list(read_metrics(g).index) == [4, 5]
+    assert "step_labels" not in read_metrics(g).attrs
 
 
-def test_iteration_counter_restarting_each_epoch_is_an_error(tmp_path):
-    # the resnet example: [epoch, iteration] with the iteration restarting at every epoch
+def resnet_log(path: Path, scale: float = 1.0) -> Path:
+    """The shape of dllogger's examples/example_resnet_log.json: hyperparameters, metadata,
+    [epoch, iteration] rows (the iteration restarting every epoch) in two records each,
+    [epoch, iteration, val_iteration] validation rows, an [epoch] summary per epoch, and the
+    run's [] summary."""
+    lines = [dll_log("PARAMETER", {"arch": "resnet50", "lr": 0.1})]
+    lines.append(dll_metadata("train.loss", {"format": ":.5f", "type": "LOSS"}))
+    for epoch in (0, 1):
+        for it in (5, 10, 15, 20):
+            loss = (8.5 - epoch - it / 100) * scale
+            lines.append(dll_log([epoch, it], {"train.loss": loss, "train.total_ips": 545.27}))
+            lines.append(dll_log([epoch, it], {"lr": 0.1, "train.data_time": 0.0024609}))
+        for it in (5, 10):
+            lines.append(dll_log([epoch, 25, it], {"val.top1": 0.0, "val.loss": 980.1 - it}))
+        lines.append(dll_log([epoch], {"train.loss": 8.34 - epoch, "val.top1": 0.0}))
+    lines.append(dll_log([], {"train.loss": 8.34, "val.top1": 0.0}))
+    path.write_text("".join(lines))
+    return path
+
+
+def test_epoch_iteration_steps_compare_on_their_composite_step(tmp_path):
+    """The iteration restarting each epoch is no common axis of its own: each step list is a
+    step, in order of first appearance, its two records merged; [epoch] summaries and
+    validation rows are steps too, [] and PARAMETER are left out; nothing is skipped."""
+    a = read_metrics(resnet_log(tmp_path / "a.json"))
+    labels = a.attrs["step_labels"]
+    assert len(a.index) == 2 * (4 + 2 + 1) and a.attrs["skipped"] == []
+    assert [labels[s] for s in list(a.index)[:8]] == [
+        [0, 5], [0, 10], [0, 15], [0, 20], [0, 25, 5], [0, 25, 10], [0], [1, 5]
+    ]  # fmt: skip
+    first = a.index[0]
+    assert a.loc[first, "train.loss"] == 8.5 - 0.05 and a.loc[first, "lr"] == 0.1
+    assert compare_frames(a, read_metrics(resnet_log(tmp_path / "a2.json"))).ok
+    b = read_metrics(resnet_log(tmp_path / "b.json", scale=1 + 2**-40))
+    m = compare_frames(a, b).metrics["train.loss"]
+    assert m.status != "match" and labels[m.first_divergent_step] == [0, 5]
+    notes = " | ".join(a.attrs["notes"])
+    assert "LOG records with step [] (a run summary" in notes and "'PARAMETER'" in notes
+
+
+def test_a_step_list_first_seen_after_a_later_one_is_an_error(tmp_path):
+    # numbered in order of first appearance, [0, 10] after [0, 20] would contradict its order
     f = tmp_path / "resnet.json"
-    f.write_text(dll_log([0, 5], {"train.loss": 8.5}) + dll_log([1, 5], {"train.loss": 7.2}))
-    with pytest.raises(MetricsError, match=r"resnet\.json:2: step \[1, 5\] maps to step 5, as "):
+    f.write_text(
+        dll_log([0, 5], {"train.loss": 8.5})
+        + dll_log([0, 20], {"train.loss": 7.2})
+        + dll_log([0, 10], {"train.loss": 7.9})
+    )
+    with pytest.raises(
+        MetricsError,
+        match=r"resnet\.json:3: step \[0, 10\] first appears after \[0, 20\] \(line 2\)",
+    ):
         read_metrics(f)
+    # a list seen before comes again (a second record of it, a restarted run): its step
+    g = tmp_path / "again.json"
+    g.write_text(
+        dll_log([0, 5], {"a": 1.0}) + dll_log([0, 10], {"a": 2.0}) + dll_log([0, 5], {"b": 3.0})
+    )
+    frame = read_metrics(g)
+    assert list(frame.index) == [1, 2] and frame.loc[1, "b"] == 3.0
 
 
-def test_other_shapes_skipped_summaries_and_labels_noted(tmp_path):
+def test_summaries_and_labels_noted(tmp_path):
     f = tmp_path / "mixed.json"
     f.write_text(
         dll_log("PARAMETER", {"lr": 0.1})
         + dll_log([0, 5], {"train.loss": 8.5})
-        + dll_log([0, 25, 5], {"val.loss": 980.1})  # validation rows: another axis
+        + dll_log([0, 25, 5], {"val.loss": 980.1})
         + dll_log([0, 10], {"train.loss": 8.9})
-        + dll_log([0], {"train.loss": 8.3})  # the epoch summary: another axis
+        + dll_log([0], {"train.loss": 8.3})
         + dll_log("MEMORY", {"allocated": 1024})
         + dll_log([], {"train.loss": 8.3})  # the run summary
     )
     frame = read_metrics(f)
-    assert list(frame.index) == [5, 10]
-    assert frame.attrs["skipped"] == [
-        {
-            "reason": "LOG records whose step has another shape than the first's",
-            "count": 2,
-            "where": ["line 3", "line 5"],
-        }
-    ]
+    assert list(frame.index) == [1, 2, 3, 4] and frame.attrs["skipped"] == []
+    assert frame.attrs["step_labels"] == {1: [0, 5], 2: [0, 25, 5], 3: [0, 10], 4: [0]}
     notes = " | ".join(frame.attrs["notes"])
     assert "step 'MEMORY' (a label, not a step)" in notes
     assert "1 LOG records with step [] (a run summary, no step)" in notes
@@ -190,7 +241,8 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     assert frame.loc[3, "ok"] == 1.0 and "lr" not in frame.columns
     skipped = {s["reason"]: (s["count"], s["where"]) for s in frame.attrs["skipped"]}
     assert skipped == {
-        "DLLL lines that do not parse": (5, ["line 2", "line 9", "line 10", "line 11", "line 13"]),
+        "DLLL lines that do not parse": (4, ["line 2", "line 9", "line 10", "line 11"]),
+        CUT_TAIL: (1, ["line 13"]),
         "values that are not numbers": (3, ["line 3 ('loss')", "line 3 ('lr')", "line 3 ('n')"]),
         "LOG records without a usable step": (3, ["line 4", "line 5", "line 6"]),
         "LOG records without a data object": (1, ["line 7"]),

@@ -433,3 +433,48 @@ def test_fuzz_corrupted_payloads_with_valid_crcs(data):
 def test_fuzz_random_bytes(tail):
     _outcome(MAGIC + tail)
     _outcome(tail)
+
+
+# --- the folder given to wandb.init(dir=...), and numbers a float64 cannot hold ---------------
+
+
+def _run_folder(parent: Path, run_id: str, payloads: list[bytes]) -> Path:
+    run = parent / f"run-20250101_000000-{run_id}"
+    run.mkdir(parents=True)
+    (run / f"run-{run_id}.wandb").write_bytes(frame_log(payloads))
+    return run
+
+
+def test_a_folder_holding_wandb_reads_as_the_run(tmp_path):
+    """wandb.init(dir=D) writes D/wandb/run-*/run-ID.wandb: D reads as that run, as a folder
+    holding mlruns/ reads as MLflow's; several runs there are named, --run picks one."""
+    records = [history_record({"loss": "0.5"}, step=1), history_record({"loss": "0.25"}, step=2)]
+    run = _run_folder(tmp_path / "wandb", "abc123", [*records, EXIT])
+    (tmp_path / "wandb" / "latest-run").symlink_to(run)
+    assert detect(tmp_path).name == "wandb"
+    frame = read_metrics(tmp_path)
+    assert frame.attrs["format"] == "wandb" and frame.loc[2, "loss"] == 0.25
+    assert frame.attrs["source"] == str(run / "run-abc123.wandb") and frame.attrs["complete"]
+    _run_folder(tmp_path / "wandb", "def456", [history_record({"loss": "0.75"}, step=1)])
+    with pytest.raises(MetricsError, match=r"wandb: 2 W&B runs: .*abc123.*def456") as e:
+        read_metrics(tmp_path)
+    one_line_naming(e.value, "--run")
+    assert read_metrics(tmp_path, run="def456").loc[1, "loss"] == 0.75
+    assert read_metrics(tmp_path, run="latest-run").loc[2, "loss"] == 0.25
+
+
+def test_a_number_a_float64_cannot_hold_is_skipped(tmp_path):
+    from parity.readers.frame import UNFIT
+
+    raw = frame_log(
+        [
+            history_record({"a": "1e999", "b": "0.5"}, step=1),
+            history_record({"a": "1e-310", "c": "1" + "0" * 400}, step=2),
+            history_record({"a": "Infinity"}, step=3),
+        ]
+    )
+    frame = read_log(raw, tmp_path / "r.wandb", ReadOptions())
+    skipped = {s["reason"]: s["count"] for s in frame.attrs["skipped"]}
+    assert skipped == {UNFIT: 2}
+    assert frame.loc[2, "a"] == 1e-310 and frame.loc[3, "a"] == math.inf
+    assert frame.loc[1, "b"] == 0.5 and "c" not in frame.columns

@@ -107,6 +107,99 @@ def test_a_resumed_run_reads_as_one(tmp_path):
     assert sorted(read_rank_data(tmp_path)[0]) == [1, 2, 3]
 
 
+def test_a_step_logged_in_two_calls_reads_as_one_step(tmp_path):
+    """Train metrics, then the last step's eval metrics in a second call: one step with both in
+    metrics.jsonl and console.log (their readers merge a step's records); ranks/ and
+    fingerprints.jsonl keep one record a step, rewritten merged (parity.diagnose reads them)."""
+    rec = Recorder(tmp_path, rank=0, fingerprint_steps=[3], console=True)
+    model = torch.nn.Linear(3, 2)
+    for step in (1, 2, 3):
+        rec.batch(torch.arange(6)[None] + step)
+        model(torch.ones(1, 3)).sum().backward()
+        rec.fingerprint(step, model)
+        rec.log(step, {"train/loss": 1.0 / step}, {"epoch": 0})
+    rec.batch(torch.arange(4)[None], kind="val")
+    rec.add_fingerprint(3, {"params": {"v": "00ff"}, "grads": {"v": None}}, prefix="critic.")
+    rec.log(3, {"eval/loss": 0.5, "eval/perplexity": 1.5})
+    rec.finish()
+    frame = read_metrics(tmp_path)
+    assert list(frame.index) == [1, 2, 3] and frame.attrs["complete"] is True
+    assert frame.loc[3, "eval/loss"] == 0.5 and frame.loc[3, "train/loss"] == 1 / 3
+    assert compare_frames(frame, read_metrics(tmp_path / "console.log")).verdict == "aligned"
+    data = read_rank_data(tmp_path)[0]
+    assert set(data[3]) == {"train", "val"} and data[3]["val"]["micro_batches"] == 1
+    rank0 = read_metrics(tmp_path / "ranks" / "rank0.jsonl", "jsonl")
+    assert rank0.loc[3, "eval/loss"] == 0.5 and rank0.loc[3, "train/loss"] == 1 / 3
+    lines = (tmp_path / "ranks" / "rank0.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[2])["_meta"]["epoch"] == 0  # 3 steps, the end
+    prints = read_fingerprints(tmp_path / "fingerprints.jsonl")
+    assert list(prints) == [3] and set(prints[3]["params"]) == {"weight", "bias", "critic.v"}
+    assert rank_agreement(tmp_path).status == "agree"
+
+
+def test_the_same_key_twice_at_a_step_is_refused_at_the_call(tmp_path):
+    rec = Recorder(tmp_path, rank=1)  # on any rank, even one that writes no metrics.jsonl
+    rec.log(11, {"train/loss": 0.5})
+    rec.log(12, {"train/loss": 0.25})
+    rec.log(12, {"eval/perplexity": 3.5})
+    before = (tmp_path / "ranks" / "rank1.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"^rec\.log: step 12 already logged 'eval/perplexity'$"):
+        rec.log(12, {"eval/perplexity": 3.25})
+    with pytest.raises(ValueError, match=r"step 12 already logged 'train/loss'"):
+        rec.log(12, {"train/loss": 0.25})  # the same value again: refused too
+    with pytest.raises(ValueError, match=r"rec\.log: step 11 logged again after step 12"):
+        rec.log(11, {"eval/loss": 1.0})
+    assert (tmp_path / "ranks" / "rank1.jsonl").read_bytes() == before  # nothing written
+    rec.batch(torch.arange(4)[None])  # batches of one kind between two calls of a step
+    rec.log(12, {"eval/loss": 1.0})
+    rec.finish()
+    data = read_rank_data(tmp_path)[1]
+    assert sorted(data) == [11, 12] and data[12]["train"]["micro_batches"] == 1
+    record = read_metrics(tmp_path / "ranks" / "rank1.jsonl", "jsonl").loc[12]
+    assert (record["train/loss"], record["eval/perplexity"], record["eval/loss"]) == (0.25, 3.5, 1)
+
+
+def test_digests_of_one_kind_taken_in_two_calls_fold(tmp_path):
+    rec = Recorder(tmp_path, rank=0, metrics=False)
+    rec.batch(torch.arange(4)[None])
+    rec.log(1, {"a": 1.0})
+    rec.batch(torch.arange(5)[None])
+    rec.log(1, {"b": 2.0})
+    rec.finish()
+    train = read_rank_data(tmp_path)[0][1]["train"]
+    assert (train["micro_batches"], train["tokens"]) == (2, 9) and len(train["hash"]) == 16
+
+
+def test_hf_callback_logs_train_eval_and_summary_of_a_step_through_the_recorder(tmp_path):
+    """on_log at once, each call a Recorder.log of the step: `epoch` repeated with its value and
+    the summary's repeats are left out; another value for a key the step has is refused."""
+    pytest.importorskip("transformers")
+    from parity.record.hf import ParityCallback
+
+    callback = ParityCallback(tmp_path)
+    callback.recorder = Recorder(tmp_path, rank=0)
+    history: list[dict] = []
+
+    def log(step, logs):
+        history.append({**logs, "step": step})
+        state = SimpleNamespace(global_step=step, log_history=history)
+        callback.on_log(None, state, None, logs=dict(logs))
+
+    log(1, {"loss": 2.0, "grad_norm": 1.5, "learning_rate": 1e-3, "epoch": 0.5})
+    log(2, {"loss": 1.5, "grad_norm": 1.25, "learning_rate": 1e-3, "epoch": 1.0})
+    log(2, {"eval_loss": 1.75, "eval_runtime": 0.1, "epoch": 1.0})
+    log(2, {"train_runtime": 3.5, "train_loss": 1.75, "epoch": 1.0, "total_flos": 10.0})
+    with pytest.raises(ValueError, match=r"rec\.log: step 2 already logged 'eval/loss'"):
+        log(2, {"eval_loss": 1.8, "epoch": 1.0})
+    callback.on_train_end(None, SimpleNamespace(global_step=2), None)
+    frame = read_metrics(tmp_path)
+    assert list(frame.index) == [1, 2] and frame.attrs["complete"] is True
+    row = frame.loc[2]
+    assert (row["train/loss"], row["eval/loss"], row["train/train_loss"]) == (1.5, 1.75, 1.75)
+    assert row["train/epoch"] == 1.0 and row["train/total_flos"] == 10.0
+    assert set(read_rank_data(tmp_path)[0]) == {1, 2}
+
+
 def test_the_recorder_is_the_bottom_layer():
     """parity.record imports only torch and the standard library (transformers in hf.py), none
     of the rest of parity, nothing of worker; and our jobs write through it."""

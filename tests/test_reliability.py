@@ -304,9 +304,12 @@ def test_legacy_val_formula_refuses_a_val_set_smaller_than_a_batch(tmp_path: Pat
 
 @pytest.mark.parity
 def test_soak_short(tmp_path: Path) -> None:
-    """Two pairs (one must align, one must diverge) through the on-demand soak script."""
+    """Two pairs (one must align, one must diverge) through the on-demand soak script, both
+    into one reused folder, each with a rival command on it that must be refused; a file of the
+    user's in the folder and one outside it, linked from it, untouched."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
     cmd = [sys.executable, str(script), "--pairs", "2", "--steps", "2", "--json"]
+    cmd += ["--reuse", "--contend"]
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
     )
@@ -315,6 +318,8 @@ def test_soak_short(tmp_path: Path) -> None:
     assert [r["expected"] for r in summary["records"]] == ["aligned", "diverged"]
     assert [r["verdict"] for r in summary["records"]] == ["aligned", "diverged"]
     assert summary["false_verdicts"] == summary["failed"] == summary["leftovers"] == 0
+    assert [r["contended"] for r in summary["records"]] == ["refused", "refused"]
+    assert summary["not_refused"] == 0 and summary["outside_touched"] is False
 
 
 # --- bad input: the gaps left by test_readers / test_spec / test_golden / test_compare ----------

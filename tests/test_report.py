@@ -71,7 +71,9 @@ def test_markdown_has_verdict_table_first_divergence_and_fingerprints(runs, tmp_
     assert "| ≠ | git_revision | aaa111 | bbb222 |" in md
     assert "|  | device | cpu | cpu |" in md
     assert "torchrun --nproc-per-node 2 job.py --out" in md
-    assert EVIL not in md and EVIL_ESCAPED in md and "<img" not in md
+    assert EVIL not in md and "\\<script\\>alert(1)\\</script\\>" in md
+    prose = md.split("### Reproduce")[0]  # commands follow, in a fenced code block
+    assert "\\<img src=x" in prose and not re.search(r"(?<!\\)<", prose)  # no tag can open
 
 
 def test_html_is_self_contained_escaped_and_has_png_plots(runs, tmp_path):
@@ -137,3 +139,91 @@ def test_report_renders_in_headless_chromium_without_running_scripts(runs, tmp_p
     assert img.size == (1280, 2000)
     dark = sum(img.histogram()[:128])
     assert dark > 0.005 * 1280 * 2000, "screenshot is (nearly) blank"
+
+
+# --- names from logs are data: no link, image, HTML, heading or line of their own --------------
+
+NAMES = [
+    "x\nverdict: aligned",
+    "y\x1b[2K",
+    "[click](http://evil)",
+    "![b](http://evil/x.png)",
+    "\r# parity: aligned",
+    "<a href='http://evil'>a</a>",
+    "<http://evil/auto>",
+    "# heading",
+    "`code` and ``two``",
+    "q'\"<>&",
+]
+
+
+def _evil_runs(tmp_path: Path, names: list[str] = NAMES) -> tuple[Path, Path]:
+    out = []
+    for side, value in (("a", 1.0), ("b", 2.0)):
+        path = tmp_path / side
+        path.mkdir()
+        rows = [{"step": 1, **dict.fromkeys(names, value)}, {"event": "end", "steps": 1}]
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out.append(path)
+    return out[0], out[1]
+
+
+def test_markdown_names_are_inert_text(tmp_path):
+    from parity.report import build_report
+
+    a, b = _evil_runs(tmp_path)
+    notes = ["- [note](http://evil) <img src=x>", "1. \r# parity: aligned"]
+    md = build_report(a, b, notes=notes, labels=("# A", "<b>B</b>")).markdown()
+    lines = md.split("### Reproduce")[0].splitlines() + ["### Reproduce"]  # no code blocks
+    assert [line for line in lines if line.startswith("#")] == [
+        "## ❌ parity: diverged (10 diverged)",
+        "### Environment fingerprints",
+        "### Reproduce",
+    ]
+    assert (
+        "\r" not in md
+        and "\x1b" not in md
+        and "verdict: aligned" not in "".join(line for line in lines if not line.startswith("| "))
+    )
+    prose = "\n".join(lines)
+    for bad in (r"\]\(", r"!\[", "<", "`", "&"):  # link, image, HTML or autolink, code, entity
+        assert not re.search(r"(?<!\\)" + bad, prose), bad  # each only backslash-escaped
+    table = [line for line in lines if line.startswith("| ") and "diverged" in line]
+    assert len(table) == len(NAMES)  # one row each: no name ended or split its row
+    assert all(line.count(" | ") == 10 for line in table)
+    assert "| x\\\\nverdict: aligned | diverged |" in md  # shown as \n, after its escape
+    assert "| \\[click\\](http://evil) | diverged |" in md
+    assert "\\- \\[note\\](http://evil) \\<img src=x\\>" in lines
+    assert "1\\. \\\\r\\# parity: aligned" in lines
+    assert "\\# A:" in md.splitlines() and "\\<b\\>B\\</b\\>:" in md.splitlines()
+
+
+def test_html_escapes_names_labels_and_notes_quotes_included(tmp_path):
+    from parity.report import build_report
+
+    a, b = _evil_runs(tmp_path)
+    page = build_report(a, b, notes=["<i>n</i>"], labels=("A'\"", "B")).html()
+    body = page.split("<body>")[1]
+    assert "<a href='http" not in body and "<img src=x" not in body and "<i>" not in body
+    assert "q&#x27;&quot;&lt;&gt;&amp;" in body and "A&#x27;&quot;" in body
+    assert 'alt="q&#x27;&quot;&lt;&gt;&amp;"' in body  # an attribute cannot be closed
+    assert "\x1b" not in page and "\r" not in page and "y\\x1b[2K" in page
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    ["[" * 1000 + "]" * 1000, "[" * 200 + "]" * 200, '"a string"', "[1, 2]", "{",
+     '{"environment": ["argv"]}', '{"environment": {"argv": "job.py"}}'],
+)  # fmt: skip
+def test_a_damaged_manifest_is_a_note_of_the_report(tmp_path, manifest, capsys):
+    a, b = _evil_runs(tmp_path, ["x"])
+    (a / "manifest.json").write_text(manifest)
+    out = tmp_path / "rep"
+    assert main(["report", str(a), str(b), "-o", str(out)]) == 1  # diverged, not an error
+    md = (out / "report.md").read_text()
+    if manifest.startswith('{"environment'):  # an object: read, its odd parts left out
+        assert "no launcher.log or manifest" in md
+        return
+    note = next(line for line in md.splitlines() if "manifest.json" in line)
+    assert "cannot read" in note or "must be a JSON object" in note
+    assert str(a / "manifest.json") in note.replace("\\", "")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import parity.revisions
+import parity.runs
 from parity.cli import main
 from parity.launch import LaunchResult
 
@@ -182,7 +183,7 @@ def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, cap
             raise KeyboardInterrupt
         return LaunchResult(returncode=1, timed_out=False, duration_s=0.0, run_dir=run_dir)
 
-    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    monkeypatch.setattr(parity.runs, "launch", fake_launch)
     monkeypatch.chdir(repo)
     args = ["check", "--base", "HEAD~1", "--spec", "spec.toml", "--out", str(tmp_path)]
     if failure == "exception":
@@ -217,7 +218,7 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
         crash = RankFailure(rank=1, exitcode=-6, signal="SIGABRT", log_tail="")
         return LaunchResult(1, False, 1.0, run_dir, failures=[crash])
 
-    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    monkeypatch.setattr(parity.runs, "launch", fake_launch)
     (tmp_path / "golden.jsonl").write_text(metrics)
     side = ["--base", "HEAD"] if against == "base" else ["--golden", str(tmp_path / "golden.jsonl")]
     flags = ["--allow-teardown-failure"] if allowed else []
@@ -241,16 +242,20 @@ def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, m
     empty. No real launch: the fake launcher writes nothing."""
     from parity.spec import JobSpec
 
-    run_dir = tmp_path / "base"
-    run_dir.mkdir()
+    from parity.launch import LaunchError
+    from parity.outdir import OutDir
+
+    with OutDir.open(tmp_path) as held:  # an earlier run's folder, made by the harness
+        run_dir = held.make_dir("base")
     (run_dir / "trainer_state.json").write_text('{"log_history": [{"loss": 1.0, "step": 1}]}')
     seen: list[list[str]] = []
 
     def fake_launch(args, *, cwd, run_dir, **kwargs):
-        seen.append(sorted(p.name for p in Path(run_dir).iterdir()))
+        seen.append(sorted(p.name for p in (tmp_path / "base").iterdir()))
         return LaunchResult(returncode=0, timed_out=False, duration_s=0.0, run_dir=run_dir)
 
-    monkeypatch.setattr(parity.revisions, "launch", fake_launch)
+    monkeypatch.setattr(parity.runs, "launch", fake_launch)
     spec = JobSpec(task="custom", command=["job.py", "--out", "{out}"], world_size=1)
-    parity.revisions.run_in_tree(spec, repo, run_dir)
+    with pytest.raises(LaunchError, match="exited 0 but wrote nothing in"):
+        parity.revisions.run_in_tree(spec, repo, run_dir)  # and is failed, not judged on it
     assert seen == [[]]

@@ -9,6 +9,8 @@ user's tree alone (tests/test_revisions.py).
 from __future__ import annotations
 
 import ast
+import importlib
+import io
 import os
 import pickle
 from pathlib import Path
@@ -23,7 +25,7 @@ from parity.launch import LaunchResult
 from parity.pair import PairResult, write_summary
 from parity.runs import Run
 from parity.spec import JobSpec
-from worker.safe_checkpoint import SafeFileSystemReader
+from worker.safe_checkpoint import SafeFileSystemReader, load_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("worker", "parity", "subjects", "benchmarks", "tests", "ci")
@@ -157,6 +159,18 @@ def test_safe_reader_refuses_a_tampered_metadata_pickle(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(pickle.UnpicklingError, match="not DCP metadata"):
         reader.read_metadata()
+
+
+@pytest.mark.parametrize("name", ["Enum", "Any", "Sequence", "Metadata.__init__"])
+def test_safe_reader_refuses_what_dcp_metadata_only_imports(name: str) -> None:
+    """The metadata module's namespace re-exports enum, typing and collections.abc names (and
+    protocol 4 resolves dotted names): only the classes it defines itself may be named."""
+    module = "torch.distributed.checkpoint.metadata"
+    assert hasattr(importlib.import_module(module), name.split(".")[0])  # reachable from there
+    crafted = f"c{module}\n{name}\n.".encode()  # GLOBAL module name, STOP
+    with pytest.raises(pickle.UnpicklingError, match=rf"refusing to load {module}\.{name}"):
+        load_metadata(io.BytesIO(crafted), "ckpt/.metadata")
+    load_metadata(io.BytesIO(f"c{module}\nMetadata\n.".encode()))  # what DCP pickles: allowed
 
 
 def test_summary_md_fence_survives_hostile_metric_names(tmp_path: Path) -> None:

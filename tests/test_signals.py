@@ -32,8 +32,9 @@ from parity import signals
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The job: rank 0 writes three steps (and the end record unless SLEEP); with SLEEP every rank then
-# writes OUT/pids/rank<r>.pid and sleeps. `train(argv)` for in-process launches and warm pools.
+# The job: the ranks form their process group, rank 0 writes three steps (and the end record
+# unless SLEEP); with SLEEP every rank then writes OUT/pids/rank<r>.pid and sleeps. `train(argv)`
+# for in-process launches and warm pools.
 JOB = """\
 import json
 import os
@@ -46,6 +47,11 @@ NUDGE = {nudge}
 
 
 def train(argv):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a launch of its own; in-process and pools have one
+        dist.init_process_group("gloo")
+    dist.barrier()  # the ranks form their world (parity.world checks it)
     out = Path(argv[argv.index("--out") + 1])
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,88 @@ def test_load_errors_name_the_file(tmp_path: Path, name: str, text: str, message
 def test_load_missing_file(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="cannot read spec"):
         load_spec(tmp_path / "nope.toml")
+
+
+# --- the documented spec ---------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else None]
+
+
+def test_every_example_in_the_readmes_spec_section_loads(tmp_path: Path) -> None:
+    import re
+
+    from parity.spec import load_policies, load_read_options
+
+    blocks = re.findall(r"```toml\n(.*?)```", _readme_section("The job spec"), re.S)
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"example{i}.toml"
+        path.write_text(block)
+        load_spec(path)
+        load_policies(path)
+        load_read_options(path)
+
+
+def test_the_example_spec_has_every_key(tmp_path: Path, capsys) -> None:
+    import dataclasses
+
+    from parity.cli import main
+    from parity.spec import EXAMPLE, READ_OPTIONS
+
+    assert main(["spec", "--example"]) == 0
+    text = capsys.readouterr().out
+    assert text == EXAMPLE
+    for name in [f.name for f in dataclasses.fields(JobSpec)] + list(READ_OPTIONS):
+        assert re.search(rf"\b{name}\b", text), name
+    path = tmp_path / "example.toml"
+    path.write_text(text)
+    assert main(["spec", str(path)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["b"]["env"] == {"ACCELERATE_USE_CPU": "true", "MY_FLAG": "new"}
+
+
+def test_every_key_is_in_the_readme_table() -> None:
+    import dataclasses
+
+    section = _readme_section("The job spec")
+    for f in dataclasses.fields(JobSpec):
+        assert f"`{f.name}`" in section or f"`[{f.name}]`" in section, f.name
+
+
+def test_unknown_keys_are_answered_with_the_valid_ones(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('wrld_size = 2\n')
+    with pytest.raises(SpecError, match="did you mean 'world_size'.*valid keys: task, command"):
+        load_spec(path)
+    path.write_text('[read]\nduplicate = "last"\n')
+    from parity.spec import load_read_options
+
+    with pytest.raises(SpecError, match="unknown key 'duplicate' in \\[read\\]; valid keys"):
+        load_read_options(path)
+    path.write_text('[read]\nduplicates = "sometimes"\n')
+    with pytest.raises(SpecError, match="read.duplicates = 'sometimes' is not valid"):
+        load_read_options(path)
+
+
+def test_env_is_strings_by_name() -> None:
+    spec = JobSpec(env={"OMP_NUM_THREADS": 1, "USE_CPU": True, "NAME": "x"})
+    assert spec.env == {"OMP_NUM_THREADS": "1", "USE_CPU": "true", "NAME": "x"}
+    for bad in ({"A=B": "1"}, {"": "1"}, {"A": [1]}, ["A"]):
+        with pytest.raises(SpecError, match="env"):
+            JobSpec(env=bad)
+
+
+def test_the_reproduce_line_masks_secrets() -> None:
+    from parity.launch import reproduce_line
+
+    line = reproduce_line(
+        ["python", "train.py"], {"HF_TOKEN": "hf_abc", "api_key": "k", "MODE": "a b"}
+    )
+    assert line == "HF_TOKEN='***' api_key='***' MODE='a b' python train.py"

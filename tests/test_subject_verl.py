@@ -11,8 +11,16 @@ fixtures and the tiny Qwen2 (``subjects.verl.run_sft``). What the pair shows, as
   old formula (every micro-batch loss in one list, averaged: sum_b L_b / sum_b M_b) and B the
   new one (mean_b L_b), each checked against a float64 oracle computed from the saved weights
   and verl's own tokenization; so B / A is the number of micro-batches per val batch (2 here).
-  With one val micro-batch per rank the two are bitwise equal. The fixed formula is still not
-  the token-weighted mean of the val set when there are several val batches (3 here).
+  The fixed formula is still not the token-weighted mean of the val set when there are several
+  val batches (3 here).
+- val/loss with one val micro-batch per rank: both compute the mean of the same six float32
+  micro-batch losses, in two orders (0.6.1: each rank's mean, then the ranks' average; 0.7.0:
+  each batch's ranks' average, then the mean of those). Where ATen runs its AVX-512 kernels the
+  two round alike: bitwise equal. With its AVX2 kernels (a host without AVX-512) the CPU flash
+  attention gives one of the six losses another last bit, and the two orders then round 1
+  float32 ULP apart at step 1 (``subjects.verl.val_order`` recomputes both from the losses).
+  The train metrics are bitwise equal with either kernel set. A host with AVX-512 checks both:
+  it runs the pair again with ATen, oneDNN and MKL capped at AVX2.
 - train/global_tokens and train/total_tokens(B): A's are the true counts (the oracle's); B's are
   0.0 at every step, a regression of 0.7.0: it wraps the sequence lengths in tensordict's
   ``NonTensorData`` and then sums ``torch.tensor(...)`` of that, which is an empty tensor.
@@ -59,6 +67,17 @@ TOKENS = ("train/global_tokens", "train/total_tokens(B)")
 FINGERPRINTS = "2,4,6"  # the val steps: the weights each side validated with
 PLANTED_STEP = 3
 NO_TOKENS = [f"--policy={name}=ignore" for name in TOKENS]
+# val/loss of the one-micro-batch pair by the ATen kernels its ranks ran (their manifest's
+# aten_cpu_capability), as measured: bitwise with AVX512, 1 float32 ULP apart at step 1 with
+# AVX2 (subjects.verl.val_order); other kernel sets are held to the AVX2 bound
+ONE_MICRO_VAL_POLICY = {"AVX512": "exact"}
+ONE_MICRO_VAL_OTHER = "ulp:1"
+# an AVX2-only host's kernels on a host with AVX-512: ATen's own, oneDNN's and MKL's capped
+AVX2_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 def _env_python(version: str) -> Path:
@@ -76,12 +95,15 @@ def _verl_env() -> dict[str, str]:
     }
 
 
-def _run(version: str, out: Path, *args: str) -> Path:
+def _run(version: str, out: Path, *args: str, env: dict[str, str] | None = None) -> Path:
+    """One run of ``subjects.verl.run_sft``; ``env``: its environment (default: this one's),
+    which the launch passes on to the ranks."""
     python = _env_python(version)
     cmd = [sys.executable, "-m", "subjects.verl.run_sft", "--verl", version, "--out", str(out)]
     proc = subprocess.run(
         [*cmd, "--python", str(python), *args],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
         timeout=1800,
@@ -131,14 +153,32 @@ def pair(tmp_path_factory) -> dict:
     return {"runs": runs, "frames": frames, "oracle": _oracle(A, runs[A])}
 
 
-@pytest.fixture(scope="module")
-def single_pair(tmp_path_factory) -> dict:
+def _single(root: Path, env: dict[str, str] | None) -> dict:
     """A cheaper pair with one micro-batch per (val and train) batch on each rank: a 4096-token
     budget, 2 steps, val at both."""
-    root = tmp_path_factory.mktemp("verl-single")
     args = ("--steps", "2", "--test-freq", "1", "--max-tokens-per-rank", "4096")
-    runs = {v: _run(v, root / v, *args) for v in subject.VERSIONS}
+    runs = {v: _run(v, root / v, *args, env=env) for v in subject.VERSIONS}
     return {v: read_metrics(runs[v] / "console.log") for v in subject.VERSIONS} | {"runs": runs}
+
+
+@pytest.fixture(scope="module")
+def single_pair(tmp_path_factory) -> dict:
+    """The one-micro-batch pair with this host's own kernels."""
+    return _single(tmp_path_factory.mktemp("verl-single"), None)
+
+
+@pytest.fixture(scope="module")
+def single_pair_avx2(tmp_path_factory) -> dict:
+    """The one-micro-batch pair as an AVX2-only host runs it: on a host whose ATen kernels are
+    AVX512, with ATen, oneDNN and MKL capped at AVX2 (elsewhere ``single_pair`` is that run)."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip(
+            f"ATen runs its {torch.backends.cpu.get_cpu_capability()} kernels here: "
+            "test_one_val_micro_batch_aligns already checks this host's own"
+        )
+    return _single(tmp_path_factory.mktemp("verl-single-avx2"), {**os.environ, **AVX2_KERNELS})
 
 
 @pytest.fixture(scope="module")
@@ -246,20 +286,98 @@ def test_file_logger_matches_console(pair):
         assert comparison.verdict == "aligned", (version, comparison.table())
 
 
-@pytest.mark.parity
-def test_one_val_micro_batch_aligns(single_pair):
-    a, b = single_pair[A], single_pair[B]
-    comparison = compare_frames(
-        a, b, {"train/global_tokens": "ignore", "train/total_tokens(B)": "ignore"}
-    )
+def _kernels(run: Path) -> str:
+    """The ATen kernels a run's ranks dispatched to (AVX512, AVX2...), from the recorder's
+    manifest: what decides the last bits of its CPU flash attention."""
+    return json.loads((run / "manifest.json").read_text())["environment"]["aten_cpu_capability"]
+
+
+def _val_float32(frame):
+    """The frame with val/loss judged at float32: verl logs ``.item()`` of a float32 tensor, the
+    console reader holds it as the float64 it prints (1 float32 ULP is 2**29 float64 ULPs)."""
+    out = frame.copy()
+    out.attrs = {**frame.attrs, "precision": {**frame.attrs["precision"], "val/loss": "float32"}}
+    return out
+
+
+def _check_one_val_micro_batch(single: dict) -> str:
+    """Train metrics bitwise equal; val/loss as ONE_MICRO_VAL_POLICY says for the kernels both
+    sides ran; then the diagnosis agrees: aligned, same batches, ranks agree. Returns the
+    kernels."""
+    runs = single["runs"]
+    kernels = {_kernels(runs[v]) for v in subject.VERSIONS}
+    assert len(kernels) == 1, kernels
+    kernels = kernels.pop()
+    policy = ONE_MICRO_VAL_POLICY.get(kernels, ONE_MICRO_VAL_OTHER)
+    a, b = _val_float32(single[A]), _val_float32(single[B])
+    policies = {"train/global_tokens": "ignore", "train/total_tokens(B)": "ignore"}
+    comparison = compare_frames(a, b, {**policies, "val/loss": policy})
     assert comparison.verdict == "aligned", comparison.table()
+    for name in TRAIN:
+        r = _result(comparison, name)
+        assert (r.status, r.steps_compared, r.exact_matches) == ("match", 2, 2), r
     r = _result(comparison, "val/loss")
-    assert (r.status, r.steps_compared, r.exact_matches) == ("match", 2, 2)
-    runs = single_pair["runs"]
+    print(
+        f"{kernels} kernels: val/loss judged {policy}: {r.exact_matches} of 2 steps bitwise, "
+        f"at most {r.max_ulp} float32 ULP apart"
+    )
+    assert (r.status, r.steps_compared) == ("match", 2), r
+    if policy == "exact":
+        assert r.exact_matches == 2, r
     diagnosis = diagnose(runs[A] / "console.log", runs[B] / "console.log", comparison)
     assert (diagnosis.kind, diagnosis.lines()) == ("aligned", [])
     assert (diagnosis.train.status, diagnosis.val.status) == ("same", "same")
     assert {side: r.status for side, r in diagnosis.ranks.items()} == {"a": "agree", "b": "agree"}
+    return kernels
+
+
+@pytest.mark.parity
+def test_one_val_micro_batch_aligns(single_pair):
+    """With one val micro-batch per rank the two formulas are one mean of the same six losses,
+    summed in two orders. On every host: train/loss, grad_norm and lr bitwise equal. val/loss:
+    bitwise where the ranks ran ATen's AVX512 kernels (a property of these six values, not of
+    the code: the orders differ on every host); elsewhere (an AVX2-only host: the CI's AMD EPYC
+    without AVX-512) within 1 float32 ULP, the gap measured there and with the kernels capped at
+    AVX2 here: the AVX2 flash attention moves one of the six losses by 1 ULP, and 0.6.1's order
+    then rounds up where 0.7.0's rounds down (subjects.verl.val_order)."""
+    _check_one_val_micro_batch(single_pair)
+
+
+@pytest.mark.parity
+def test_one_val_micro_batch_with_avx2_kernels(single_pair_avx2):
+    """The same pair with ATen, oneDNN and MKL capped at AVX2 on a host with AVX-512, so that
+    one host checks both branches: the ranks ran the AVX2 kernels (their manifest says so) and
+    val/loss is held to the AVX2 bound (1 float32 ULP; measured: 1 at step 1, 0 at step 2)."""
+    assert _check_one_val_micro_batch(single_pair_avx2) == "AVX2"
+
+
+def test_val_loss_orders_explain_the_host_difference():
+    """0.6.1's and 0.7.0's float32 orders of step 1's six val micro-batch losses give what each
+    logged: with the AVX-512 kernels' losses both 4.684879302978516; with the AVX2 kernels'
+    (rank 1's third loss 1 ULP lower) 0.6.1 the same and 0.7.0 4.684878826141357, the numbers
+    of the AVX2-only CI host, 1 ULP apart, the float64 mean between them."""
+    from subjects.verl import val_order
+
+    same, low = 4.684879302978516, 4.684878826141357
+    avx512, avx2 = val_order.orders("AVX512"), val_order.orders("AVX2")
+    assert (avx512["0.6.1"], avx512["0.7.0"], avx512["ulps"]) == (same, same, 0)
+    assert (avx2["0.6.1"], avx2["0.7.0"], avx2["ulps"]) == (same, low, 1)
+    assert low < avx2["float64"] < same
+
+
+def test_cpu_flash_attention_differs_between_avx2_and_avx512():
+    """The op the host decides: the same SDPA inputs give other last bits with ATen's AVX2
+    kernels than with its AVX512 ones (each in a fresh process, ATEN_CPU_CAPABILITY capping
+    it); a float32 rounding's worth, no more."""
+    import torch
+
+    from subjects.verl import val_order
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("needs ATen's AVX512 kernels to compare them with its AVX2 ones")
+    r = val_order.attention_ulps()
+    assert r["capabilities"] == ["AVX512", "AVX2"]
+    assert r["differ"] > 0 and r["max_abs"] < 1e-5, r
 
 
 # -- the harness's own diagnosis (subjects.verl.recorder) ------------------------------------

@@ -20,10 +20,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+# Only the classes that module defines: its namespace also holds what it imports (typing's Any,
+# enum's Enum, collections.abc's Sequence), which DCP never pickles and a crafted pickle could name.
+_DCP_CLASSES = {
+    name
+    for name, obj in vars(dcp_metadata).items()
+    if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__
+}
 _ALLOWED: dict[str, set[str]] = {
-    "torch.distributed.checkpoint.metadata": {
-        name for name, obj in vars(dcp_metadata).items() if isinstance(obj, type)
-    },
+    dcp_metadata.__name__: _DCP_CLASSES,
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"} | {n for n, obj in vars(torch).items() if isinstance(obj, torch.dtype)},
     "torch.serialization": {"_get_layout"},

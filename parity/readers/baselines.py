@@ -24,7 +24,11 @@ The loss is named `loss_metrics/global_avg_loss`, the tag torchtitan's TensorBoa
 loggers use, so a baseline compares with a torchtitan run read from TensorBoard; other columns
 keep their header's name (`grad_norm` is torchtitan's tag too). RL references
 (`rl_grpo_cuda.txt`) hold `loss/mean` values under the same name: rename the run's column.
-A row that does not parse is skipped and counted.
+A row that does not parse is skipped and counted, and so is a last row without its newline
+(cut off: a loss cut mid-number still parses).
+
+In both, a number a float64 cannot hold (`1e999`, `1e-400`) is skipped and counted
+(frame.UNFIT), never read as inf or 0.0.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import pandas as pd
 from parity.readers.frame import (
     FLOAT64,
     MAX_STEP,
+    UNFIT,
     Cells,
     Format,
     ReadLog,
@@ -47,8 +52,11 @@ from parity.readers.frame import (
     decimals,
     fail,
     finish,
+    fit_number,
+    shown,
+    text_float,
 )
-from parity.readers.text import decode, read_bytes
+from parity.readers.text import CUT_TAIL, cut_tail, decode, read_bytes
 
 MEGATRON_DECIMALS = 5
 _STEP = re.compile("[0-9]+", re.ASCII)
@@ -89,24 +97,23 @@ def _places(text: str) -> int:
 def _int_field(path: Path, name: str, entry: dict[str, Any], key: str, low: int) -> int:
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_STEP:
-        raise fail(path, f"metric {name!r}", f"{key} must be an integer >= {low}, got {value!r}")
+        raise fail(
+            path, f"metric {name!r}", f"{key} must be an integer >= {low}, got {shown(value)}"
+        )
     return value
 
 
 def _megatron_value(value: Any) -> tuple[float, int] | str | None:
-    """(float, decimal places), "absent" for Megatron's "nan" mark, None when unusable."""
+    """(float, decimal places), "absent" for Megatron's "nan" mark, UNFIT for a number a
+    float64 cannot hold, None when unusable."""
     if isinstance(value, _Literal):
-        try:
-            return float(value), _places(value)
-        except (ValueError, OverflowError):
-            return None
+        number = text_float(value)  # a JSON number's text: float() reads it
+        return UNFIT if number is None else (number, _places(value))
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        try:
-            return float(value), 0
-        except OverflowError:
-            return None
+        number = fit_number(value)
+        return UNFIT if number is None else (number, 0)
     if isinstance(value, float):  # NaN, Infinity, -Infinity as json.dumps writes them
         return value, 0
     return "absent" if value == "nan" else None
@@ -169,8 +176,8 @@ def _read_megatron(path: Path, options: ReadOptions) -> pd.DataFrame:
             if got == "absent":
                 absent[name] = absent.get(name, 0) + 1
                 continue
-            if got is None:
-                log.skip(NOT_NUMBER, where)
+            if got is None or got == UNFIT:
+                log.skip(NOT_NUMBER if got is None else UNFIT, where)
                 continue
             value, n = got  # type: ignore[misc]
             places[name] = max(places[name], n)
@@ -219,8 +226,10 @@ def _fixed_places(texts: list[str]) -> int | None:
 
 
 def _read_torchtitan(path: Path, options: ReadOptions) -> pd.DataFrame:
-    text = decode(read_bytes(path), path)
+    text, cut = cut_tail(decode(read_bytes(path), path))
     cells, log = Cells(), ReadLog()
+    if cut is not None:
+        log.skip(CUT_TAIL, cut)
     columns: list[str] | None = None
     header: list[str] = []
     written: dict[str, list[str]] = {}
@@ -257,10 +266,16 @@ def _read_torchtitan(path: Path, options: ReadOptions) -> pd.DataFrame:
             continue
         group = cells.record(int(tokens[0]), lineno)
         for name, token in zip(want, tokens[1:], strict=True):
-            cells.add(group, name, float(token))
+            value = text_float(token)
+            if value is None:
+                log.skip(UNFIT, f"line {lineno} ({name!r})")
+                continue
+            cells.add(group, name, value)
             written.setdefault(name, []).append(token)
     if not cells.steps:
         why = f" (line {first_why[0]}: {first_why[1]})" if first_why else ""
+        if cut is not None and not first_why:
+            why = f" (line {cut}, the last, has no newline: cut off)"
         raise fail(path, None, f"no loss rows ('STEP LOSS' lines){why}")
     if first_why:
         log.note(f"first row skipped: {path}:{first_why[0]}: {first_why[1]}")

@@ -12,10 +12,21 @@ Other attrs, set by ``finish`` for every reader:
 - "precision": {metric: "float64" | "float32" | "decimals:N"}, what the source can hold for that
   metric. A float32 source is judged in float32 and a rounded one at its decimals (compare);
 - "skipped": [{"reason", "count", "where"}], the records the reader saw but could not use (a
-  line that looks like a metric record and does not parse, a record without a step). compare
-  refuses a side with skipped records unless told to allow them: no verdict from a partial read;
+  line that looks like a metric record and does not parse, a record without a step, a number a
+  float64 cannot hold, a last line cut off: text.CUT_TAIL). compare refuses a side with skipped
+  records unless told to allow them: no verdict from a partial read;
 - "notes": what the reader did that a user should know (a restarted run's repeated steps and the
-  rule that chose between them, a samples axis left out).
+  rule that chose between them, a samples axis left out);
+- "step_labels" (only where the source's steps are not integers, e.g. dllogger's
+  `[epoch, iteration]`): {step: the source's own step}, so a table or an error can name it.
+
+A number a float64 cannot hold (`1e999`, read as inf; `1e-400`, a nonzero read as 0.0) is no
+value: every reader that parses numbers from text asks ``unfit`` and skips it, counted under
+``UNFIT``. Spelled infinities and NaN, and subnormals (1e-310), are values.
+
+Errors are one line, and bounded: a MetricsError's message longer than ``MAX_MESSAGE``
+characters has the values it quotes elided with `...` (``clip_message``), however big they are,
+and no message is longer than ``HARD_MESSAGE``.
 
 Caveat: pandas compares attrs in ``pd.concat``, which fails on a frame-valued attr; clear
 ``frame.attrs`` before concatenating read frames.
@@ -23,6 +34,9 @@ Caveat: pandas compares attrs in ``pd.concat``, which fails on a frame-valued at
 
 from __future__ import annotations
 
+import math
+import re
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +49,40 @@ MAX_STEP = 2**63 - 1
 DUPLICATE_RULES = ("error", "first", "last")
 Duplicates = Literal["error", "first", "last"]
 FLOAT64, FLOAT32 = "float64", "float32"
+MAX_MESSAGE = 300  # characters of an error message, once the values it quotes are elided
+HARD_MESSAGE = 3 * MAX_MESSAGE  # never more: a longer one loses its middle
+_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.){57,}'|\"(?:[^\"\\\n]|\\.){57,}\"")  # a long repr
+_LONG_TOKEN = re.compile(r"(?<=\s)\S{81,}")  # a long run after the leading path: a bare value?
+
+
+def _elided(token: str) -> str:
+    return token if "/" in token else token[:50] + "..." + token[-12:]  # a path stays whole
+
+
+def clip_message(msg: str) -> str:
+    """`msg` bounded: past MAX_MESSAGE characters, each long quoted value is elided in its
+    middle (`'abc...'`), then each long run without spaces that is no path (a number's digits);
+    past HARD_MESSAGE, the message's middle, keeping the path and line in front and the advice
+    at the end. A message of paths and words alone keeps them up to HARD_MESSAGE."""
+    if len(msg) <= MAX_MESSAGE:
+        return msg
+    msg = _QUOTED.sub(lambda m: m[0][:40] + "..." + m[0][-1], msg)
+    if len(msg) > MAX_MESSAGE:
+        msg = _LONG_TOKEN.sub(lambda m: _elided(m[0]), msg)
+    if len(msg) <= HARD_MESSAGE:
+        return msg
+    tail = HARD_MESSAGE // 3
+    return msg[: HARD_MESSAGE - tail - 5] + " ... " + msg[-tail:]
 
 
 class MetricsError(ValueError):
     """A metrics source that cannot be read exactly; the message names the file and the line or
-    record."""
+    record, clipped (``clip_message``) so a huge value cannot make it huge."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (clip_message(args[0]),)
+        super().__init__(*args)
 
 
 class IncompleteRunError(MetricsError):
@@ -55,6 +98,80 @@ def fail(path: Path | str, where: int | str | None, msg: str) -> MetricsError:
     if where is None or where == "":
         return MetricsError(f"{path}: {msg}")
     return MetricsError(f"{path}:{where}: {msg}")
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlevel = 3
+
+
+def shown(value: object) -> str:
+    """A parsed value's repr for an error message, bounded in length and nesting (a JSON value
+    nested 1000 deep has no plain repr: that would recurse past Python's limit)."""
+    return _SHOWN.repr(value)
+
+
+# --- numbers a float64 cannot hold --------------------------------------------------------------
+
+UNFIT = "numbers a float64 cannot hold (a finite one read as inf, a nonzero one as 0)"
+_EXPONENT = re.compile(r"[eE]")
+
+
+def unfit(text: str | bytes, value: float) -> bool:
+    """Whether `value`, what a parser made of the decimal `text`, lost the number: a finite
+    literal that overflowed to +-inf (1e999), or a nonzero one that underflowed to 0.0
+    (1e-400). Spelled infinities (inf, Infinity) fit, and so do subnormals (1e-310)."""
+    if value != 0.0 and not math.isinf(value):
+        return False
+    if isinstance(text, bytes):
+        text = text.decode("ascii", "replace")
+    if value == 0.0:
+        mantissa = _EXPONENT.split(text, 1)[0]
+        return any(c.isdecimal() and int(c) != 0 for c in mantissa)
+    return "inf" not in text.lower()
+
+
+class Unfit:
+    """A number's text a float64 cannot hold (``unfit``), in place of the inf or 0.0 a parser
+    would have made of it; readers skip it and count it under ``UNFIT``."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def json_float(text: str) -> float | Unfit:
+    """json.loads' parse_float: float() as json does, or Unfit for what a float64 cannot hold."""
+    value = float(text)
+    return Unfit(text) if unfit(text, value) else value
+
+
+def text_float(text: str) -> float | None:
+    """A number's text as float64 (ValueError for what is no number), None when a float64
+    cannot hold it."""
+    value = float(text)
+    return None if unfit(text, value) else value
+
+
+def fit_number(value: object) -> float | None:
+    """A parsed number (an int, a float, an Unfit) as float64; None when a float64 cannot hold
+    it: an Unfit, an integer beyond 1.8e308."""
+    if isinstance(value, Unfit):
+        return None
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return None
+
+
+def suspect(value: object) -> bool:
+    """Whether a float json.loads gave may be an overflow or underflow (inf or 0.0): its line is
+    read again with ``json_float`` to tell (every other float is what its text says)."""
+    return isinstance(value, float) and (value == 0.0 or math.isinf(value))
 
 
 def bad_key(key: str) -> bool:
@@ -101,6 +218,7 @@ class ReadLog:
         )
 
     def note(self, text: str) -> None:
+        text = clip_message(text)  # a note may quote a line, as an error does: bounded alike
         if text not in self.notes:
             self.notes.append(text)
 
@@ -274,6 +392,7 @@ def finish(
     precision: dict[str, str] | str = FLOAT64,
     log: ReadLog | None = None,
     complete: bool | None = None,
+    step_labels: dict[int, object] | None = None,
 ) -> pd.DataFrame:
     """The read frame with the contract's attrs (see the module doc)."""
     if isinstance(precision, str):
@@ -290,6 +409,8 @@ def finish(
         skipped=log.records(),
         notes=list(log.notes),
     )
+    if step_labels is not None:
+        values.attrs["step_labels"] = step_labels
     return values
 
 

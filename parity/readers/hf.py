@@ -16,7 +16,9 @@ lands under `train/train_loss`, `train/train_runtime`, ... (as TensorBoardCallba
 beside, not over, the last step's `train/loss`. The step is the row's `step` (global step);
 `epoch` is a metric like the others. A value that is not a number (a string, `null`, a list) is
 not a metric: the TensorBoard callback drops it too; it is left out and counted in a note. A
-bool is a number to that callback (`isinstance(v, (int, float))`) and here: 1.0 or 0.0.
+bool is a number to that callback (`isinstance(v, (int, float))`) and here: 1.0 or 0.0. A
+number a float64 cannot hold (`1e999`, `1e-400`: not what json.dumps writes) is skipped and
+counted (frame.UNFIT).
 
 Precision: HF rounds some values before logging them, and the file does not say which
 transformers wrote it:
@@ -52,13 +54,17 @@ import pandas as pd
 
 from parity.readers.frame import (
     MAX_STEP,
+    UNFIT,
     Cells,
     Format,
     ReadLog,
     ReadOptions,
+    Unfit,
     decimals,
     fail,
     finish,
+    fit_number,
+    json_float,
 )
 from parity.readers.text import decode, read_bytes
 from parity.record.names import HF_SUMMARY_KEY, hf_metric_name
@@ -126,12 +132,14 @@ def _state_file(path: Path, run: str | None, log: ReadLog) -> Path:
 def _load(file: Path) -> list[Any]:
     text = decode(read_bytes(file), file)
     try:
-        state = json.loads(text)
+        state = json.loads(text, parse_float=json_float)
     except json.JSONDecodeError as e:
         where = e.lineno if text.strip() else None
         why = "file is truncated" if e.pos >= len(text.rstrip()) else e.msg
         raise fail(file, where, f"not valid JSON: {why}") from None
-    except (ValueError, RecursionError) as e:  # an integer too long, nesting too deep
+    except RecursionError:
+        raise fail(file, None, "not valid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer too long
         raise fail(file, None, f"not valid JSON: {str(e).splitlines()[0][:80]}") from None
     if not isinstance(state, dict):
         raise fail(file, None, "not a trainer state: the JSON is not an object")
@@ -192,13 +200,13 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
                     )
                 continue
             given[key] = raw
-            if not isinstance(raw, (int, float)):  # bool is an int, as to TensorBoardCallback
+            if not isinstance(raw, (int, float, Unfit)):  # bool is an int, as to the callback
                 ignored[key] = ignored.get(key, 0) + 1
                 continue
-            try:
-                value = float(raw)
-            except OverflowError:
-                raise fail(file, where, f"value of {key!r} does not fit a float64") from None
+            value = fit_number(raw)
+            if value is None:
+                log.skip(UNFIT, f"{where} ({key!r})")
+                continue
             name = hf_metric_name(key)
             n = _rounding(key)
             if n is not None and name not in unrounded:
@@ -243,7 +251,7 @@ def _claims(path: Path, head: bytes | None) -> bool:
         return False
     try:  # one line holding a whole object (a state dumped without indent, or JSON lines)
         first = json.loads(body.split(b"\n", 1)[0])
-    except ValueError:  # the usual indented state: `"log_history": [` further down
+    except (ValueError, RecursionError):  # the usual indented state: `"log_history": [` below
         return _HISTORY_KEY.search(head) is not None
     return isinstance(first, dict) and isinstance(first.get("log_history"), list)
 

@@ -4,26 +4,39 @@ Both hold exact float64 (JSON numbers as Python's repr or orjson write them). Ou
 complete run with `{"event": "end", "steps": N}`; a run without it is incomplete. verl's
 FileLogger (verl/utils/tracking.py) writes every value of the step: numbers, but also strings or
 lists (left out, as its console logger leaves them out); 0.6 and 0.7 with json.dumps (`NaN`,
-`Infinity`), 0.9 with orjson, which writes NaN and +-inf all as null (read as NaN, noted). It
-writes a step's train and val metrics as two records of the same step: they merge, and only a
-metric given twice with other bits is a conflict (a restarted run).
+`Infinity`), 0.9 with orjson, which writes NaN and +-inf all as null (read as NaN, noted).
+
+Records of one step merge, in both: verl writes a step's train and val metrics as two records,
+and our recorder writes a second `rec.log` of a step (its eval metrics, say) as another record
+of that step. Only a metric given twice at a step with other bits is a conflict (a restarted or
+appended run): an error naming both lines, unless --duplicates first|last; the same bits twice
+are one value. A number a float64 cannot hold (`1e999`, `1e-400`) is skipped and counted
+(frame.UNFIT). A last line without its newline is read when it is a whole JSON object (a cut
+one cannot be) and is an error naming it when it is not.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from parity.readers.frame import (
     FLOAT64,
     MAX_STEP,
+    UNFIT,
     Cells,
     Format,
     ReadLog,
     ReadOptions,
+    Unfit,
     fail,
     finish,
+    fit_number,
+    json_float,
+    shown,
+    suspect,
 )
 from parity.readers.text import decode, read_bytes
 
@@ -43,28 +56,47 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def number(path: Path, where: int | str, key: str, value: Any) -> float:
-    """A JSON number as float64; anything else (a bool, a string) names the key."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise fail(path, where, f"value of {key!r} is not numeric: {value!r}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise fail(path, where, f"value of {key!r} does not fit a float64: {value}") from None
+def number(path: Path, where: int | str, key: str, value: Any) -> float | None:
+    """A JSON number as float64, None when a float64 cannot hold it (frame.UNFIT); anything
+    else (a bool, a string) names the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, Unfit)):
+        raise fail(path, where, f"value of {key!r} is not numeric: {shown(value)}")
+    return fit_number(value)
 
 
 def step_of(path: Path, where: int | str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
-        raise fail(path, where, f"step must be a non-negative integer, got {value!r}")
+        raise fail(path, where, f"step must be a non-negative integer, got {shown(value)}")
     return value
 
 
+# What a number a float64 cannot hold needs: an exponent of 3 digits or more, or 100 digits in
+# a row (magnitude past 1e308 or below 1e-323 takes one or the other); a line without is exact
+_HUGE_LITERAL = re.compile(r"[eE][+-]?0*[1-9][0-9]{2}|[0-9]{100}")
+
+
+def _loads(line: str) -> Any:
+    """One record; a float that may have overflowed or underflowed (inf, 0.0, on a line with
+    such a literal) is read again from its text, so a number a float64 cannot hold comes back
+    as frame.Unfit."""
+    rec = json.loads(line, object_pairs_hook=_pairs)
+    if (
+        isinstance(rec, dict)
+        and _HUGE_LITERAL.search(line)
+        and any(
+            suspect(v) or isinstance(v, dict) and any(map(suspect, v.values()))
+            for v in rec.values()
+        )
+    ):
+        rec = json.loads(line, object_pairs_hook=_pairs, parse_float=json_float)
+    return rec
+
+
 def _read_json_lines(
-    text: str, path: Path, fmt: str, rule: str = "error", log: ReadLog | None = None
+    text: str, path: Path, fmt: str, log: ReadLog | None = None
 ) -> tuple[Cells, bool | None]:
     cells = Cells()
     log = log if log is not None else ReadLog()
-    first_line: dict[int, int] = {}
     end_line: int | None = None
     lines = text.split("\n")
     for lineno, line in enumerate(lines, 1):
@@ -73,9 +105,11 @@ def _read_json_lines(
         if end_line is not None:
             raise fail(path, lineno, f"record after the end record of line {end_line}")
         try:
-            rec = json.loads(line, object_pairs_hook=_pairs)
+            rec = _loads(line)
         except _DuplicateKey as e:
             raise fail(path, lineno, f"key {e.args[0]!r} given twice") from None
+        except RecursionError:
+            raise fail(path, lineno, "not valid JSON: nested too deeply") from None
         except ValueError as e:
             if lineno == len(lines):  # no newline after it: the writer was cut off
                 raise fail(
@@ -92,17 +126,8 @@ def _read_json_lines(
             continue
         if "step" not in rec:
             raise fail(path, lineno, "record has no 'step'")
+        # a step's records merge: a cell given twice with other bits is the conflict (Cells)
         step = step_of(path, lineno, rec["step"])
-        # verl writes a step's train and val metrics as two records: a cell given twice with
-        # other bits is the conflict (Cells), not the step; our jsonl has one record a step
-        if step in first_line and rule == "error" and fmt == "jsonl":
-            raise fail(
-                path,
-                lineno,
-                f"duplicate step {step} (first at line {first_line[step]}): a restarted or "
-                "appended run? choose a rule: --duplicates first|last",
-            )
-        first_line.setdefault(step, lineno)
         if fmt == "jsonl":
             metrics = {k: v for k, v in rec.items() if k not in ("step", "_meta")}
         else:
@@ -122,7 +147,11 @@ def _read_json_lines(
                 continue
             elif fmt == "verl-jsonl" and isinstance(value, bool):
                 value = float(value)  # the console prints it True/False, read as 1/0
-            cells.add(group, key, number(path, lineno, key, value))
+            got = number(path, lineno, key, value)
+            if got is None:
+                log.skip(UNFIT, f"line {lineno} ({key!r})")
+                continue
+            cells.add(group, key, got)
     return cells, (end_line is not None) if fmt == "jsonl" else None
 
 
@@ -135,7 +164,7 @@ def _reader(fmt: str):
         file = path / "metrics.jsonl" if path.is_dir() else path
         text = decode(read_bytes(file), file)
         log = ReadLog()
-        cells, complete = _read_json_lines(text, file, fmt, options.duplicates, log)
+        cells, complete = _read_json_lines(text, file, fmt, log)
         if not cells.steps:
             raise fail(file, None, "no metrics records")
         values, present = cells.frames(file, options.duplicates, log)
@@ -150,7 +179,7 @@ def _first_record(head: bytes) -> Any:
     first = head.lstrip().split(b"\n", 1)[0]
     try:
         return json.loads(first)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -18,10 +18,12 @@ duplicates rule. `epoch` is a metric like the others (Lightning's TensorBoard lo
 so too). Values are `str` of a Python float, i.e. its repr, which reads back to the same
 float64 (a float32 tensor's `.item()` is a float64 holding the float32 value, and its repr keeps
 it exactly): precision float64. An int is its digits, a bool `True`/`False` (1.0, 0.0). A cell
-that is none of these is skipped and counted; a row without a step likewise. (A numpy float32
-given as is, not as a tensor, is written as its shortest float32 text, `0.1`, which reads back
-as the float64 0.1: the file cannot tell, so it stays float64; against a float32 source such
-as TensorBoard it is judged in float32 anyway.)
+that is none of these is skipped and counted, and so is a number a float64 cannot hold
+(`1e999`, `1e-400`: frame.UNFIT); a row without a step likewise, and a last row without its
+newline (cut off by a save still writing or killed: a number cut there still parses). (A
+numpy float32 given as is, not as a tensor, is written as its shortest float32 text, `0.1`,
+which reads back as the float64 0.1: the file cannot tell, so it stays float64; against a
+float32 source such as TensorBoard it is judged in float32 anyway.)
 
 Detection: the name `metrics.csv`, a header with one `step` column, and Lightning's marks: the
 file sits in `version_N/` or beside `hparams.yaml`, or its header is sorted with `step` not
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import re
 from pathlib import Path
 
@@ -43,6 +44,7 @@ import pandas as pd
 from parity.readers.frame import (
     FLOAT64,
     MAX_STEP,
+    UNFIT,
     Cells,
     Duplicates,
     Format,
@@ -51,8 +53,9 @@ from parity.readers.frame import (
     ReadOptions,
     fail,
     finish,
+    text_float,
 )
-from parity.readers.text import decode, read_bytes
+from parity.readers.text import CUT_TAIL, cut_tail, decode, read_bytes
 
 METRICS_FILE = "metrics.csv"
 LOGS_DIR = "lightning_logs"
@@ -63,17 +66,15 @@ BAD_STEP = "rows whose step is not a non-negative integer"
 NOT_NUMBER = "cells that are not numbers"
 
 
-def _cell(text: str) -> float | None:
-    """A cell as Lightning wrote it (str of a float, an int or a bool); None if it is none."""
+def _cell(text: str) -> float | str:
+    """A cell as Lightning wrote it (str of a float, an int or a bool), or why it is skipped."""
     if text in _BOOLS:
         return _BOOLS[text]
     try:
-        value = float(text)
+        value = text_float(text)
     except ValueError:
-        return None
-    if math.isinf(value) and "inf" not in text.lower():
-        return None  # digits beyond float64's range: not what the file holds
-    return value
+        return NOT_NUMBER
+    return UNFIT if value is None else value  # UNFIT: not what the file's number holds
 
 
 def _good_header(names: list[str]) -> bool:
@@ -99,10 +100,15 @@ def _read_file(file: Path, rule: Duplicates, log: ReadLog) -> tuple[pd.DataFrame
 
 def _read_rows(text: str, file: Path, log: ReadLog) -> Cells:
     """The cells of each row with a step; what cannot be used is skipped and counted."""
+    text, cut = cut_tail(text)
+    if cut is not None:
+        log.skip(CUT_TAIL, cut)
     reader = csv.reader(io.StringIO(text, newline=""))
     cells = Cells()
     try:
         names = next(reader, None)
+        if names is None and cut is not None:
+            raise fail(file, cut, "no metrics records: the only line has no newline (cut off)")
         if not names or not _good_header(names):
             raise fail(file, 1, "header needs exactly one 'step' column and unique names")
         si = names.index("step")
@@ -112,9 +118,7 @@ def _read_rows(text: str, file: Path, log: ReadLog) -> Cells:
             if not row:
                 continue
             if len(row) != len(names):
-                cut = not text.endswith("\n") and lineno == text.count("\n") + 1
-                why = "file is truncated: " if cut else ""
-                raise fail(file, lineno, f"{why}expected {len(names)} fields, got {len(row)}")
+                raise fail(file, lineno, f"expected {len(names)} fields, got {len(row)}")
             raw_step = row[si].strip()
             if not raw_step:
                 log.skip(NO_STEP, lineno)
@@ -134,14 +138,15 @@ def _read_rows(text: str, file: Path, log: ReadLog) -> Cells:
                 if i == si or text_value == "":
                     continue
                 value = _cell(text_value)
-                if value is None:
-                    log.skip(NOT_NUMBER, f"line {lineno} ({names[i]})")
+                if isinstance(value, str):
+                    log.skip(value, f"line {lineno} ({names[i]})")
                     continue
                 cells.add(group, names[i], value)
     except csv.Error as e:
         raise fail(file, reader.line_num, f"bad csv: {e}") from None
     if not cells.steps:
-        raise fail(file, None, "no metrics records (no row with a step)")
+        why = f"; line {cut}, the last, has no newline: cut off" if cut is not None else ""
+        raise fail(file, None, f"no metrics records (no row with a step{why})")
     return cells
 
 

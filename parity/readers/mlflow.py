@@ -6,9 +6,11 @@ metrics/<key>`, a key with `/` in nested folders, one line per logged value:
 `f"{timestamp} {value} {step}\\n"` (2 fields before steps existed, 5 with a dataset's name and
 digest). MLflow turns every value into a Python float first and writes it with str(), which is
 repr: the shortest text that reads back to the same float64, or `nan`, `inf`, `-inf`. So the
-file store holds float64 exactly (a NaN's sign and payload are lost). A run's `meta.yaml` has
-its run_name, status and lifecycle_stage, an experiment's its name. A deleted run keeps its folder
-with `lifecycle_stage: deleted`; a deleted experiment moves to `<root>/.trash/`. Neither is read.
+file store holds float64 exactly (a NaN's sign and payload are lost); a number no float64 holds
+(`1e999`, `1e-400`: not MLflow's writing) is skipped and counted (frame.UNFIT). A run's
+`meta.yaml` has its run_name, status and lifecycle_stage, an experiment's its name. A deleted
+run keeps its folder with `lifecycle_stage: deleted`; a deleted experiment moves to
+`<root>/.trash/`. Neither is read.
 
 SQLite store (sqlalchemy_store.py, dbmodels/models.py): `metrics` (key, value REAL, timestamp,
 step, is_nan, run_uuid), `runs` (run_uuid, name, status, lifecycle_stage, experiment_id),
@@ -38,6 +40,7 @@ import pandas as pd
 
 from parity.readers.frame import (
     MAX_STEP,
+    UNFIT,
     Cells,
     Duplicates,
     Format,
@@ -47,6 +50,8 @@ from parity.readers.frame import (
     assemble,
     fail,
     finish,
+    text_float,
+    unfit,
 )
 from parity.readers.text import read_bytes
 
@@ -123,8 +128,11 @@ def parse_metric_lines(raw: bytes, name: str, log: ReadLog) -> list[tuple[int, f
             log.note(f"{name}: lines without a step (MLflow before 1.0): read at step 0")
         if m[4] is not None:
             log.note(f"{name}: lines carry a dataset; it is not part of the metric's name")
-        if 0 <= step <= MAX_STEP:
-            out.append((lineno, float(m[2]), step))
+        value = text_float(m[2].decode("ascii"))
+        if value is None:
+            log.skip(UNFIT, f"{name}:{lineno}")
+        elif 0 <= step <= MAX_STEP:
+            out.append((lineno, value, step))
         else:
             log.skip(NEGATIVE if step < 0 else UNPARSED, f"{name}:{lineno}")
     return out
@@ -142,8 +150,11 @@ def metric_file(raw: bytes, name: str, log: ReadLog) -> tuple[np.ndarray, ...]:
         except OverflowError:  # a step past int64: the slow path names it
             pass
         else:
-            values = np.fromiter(map(float, tokens[1::3]), dtype=np.float64, count=n)
-            return np.arange(1, n + 1), steps, values
+            texts = tokens[1::3]
+            values = np.fromiter(map(float, texts), dtype=np.float64, count=n)
+            odd = np.flatnonzero((values == 0.0) | np.isinf(values)).tolist()
+            if not any(unfit(texts[i], values[i]) for i in odd):  # else named line by line
+                return np.arange(1, n + 1), steps, values
     parsed = parse_metric_lines(raw, name, log)
     lines = np.array([p[0] for p in parsed], dtype=np.int64)
     values = np.array([p[1] for p in parsed], dtype=np.float64)
@@ -165,7 +176,7 @@ def _meta(path: Path) -> dict[str, Any] | None:
 
     try:
         data = yaml.safe_load(path.read_bytes())
-    except (OSError, yaml.YAMLError, ValueError):
+    except (OSError, yaml.YAMLError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 

@@ -1,11 +1,21 @@
-"""Reading a file's bytes and text with errors that name it (shared by the text formats)."""
+"""Reading a file's bytes and text with errors that name it (shared by the text formats), and
+the cut tail every line-based reader leaves out.
+
+A text log's last line without its newline was cut off by a run still writing or killed: a
+number cut there (`0.12` of `0.1234`) still parses, as a wrong value. So every text reader
+skips such a line and counts it (``CUT_TAIL``, with its line): no verdict comes from it.
+"""
 
 from __future__ import annotations
 
 import codecs
 from pathlib import Path
+from typing import TypeVar
 
 from parity.readers.frame import MetricsError, fail
+
+CUT_TAIL = "last lines cut off (no newline at the end: a run still writing, or killed)"
+T = TypeVar("T", str, bytes)
 
 
 def read_bytes(path: Path) -> bytes:
@@ -21,3 +31,13 @@ def decode(raw: bytes, path: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise fail(path, raw.count(b"\n", 0, e.start) + 1, "not valid UTF-8") from None
+
+
+def cut_tail(text: T) -> tuple[T, int | None]:
+    """`text` without a last line that has no newline after it, and that line's number; `text`
+    and None when it ends with a newline (or only blanks follow the last one)."""
+    newline = "\n" if isinstance(text, str) else b"\n"
+    start = text.rfind(newline) + 1  # type: ignore[arg-type]
+    if not text[start:].strip():
+        return text, None
+    return text[:start], text.count(newline, 0, start) + 1  # type: ignore[arg-type]

@@ -11,7 +11,9 @@ bar in front of the next printed line (`... 1/5 [00:01<00:04]step:2 - ...`), Ray
 with its actor (`(TaskRunner pid=7) `, colored), and other output comes between. A step line
 starts at `step:` wherever it is, unless a name runs into it (`global_step:`, `timestep:`,
 `train/step:`). A line that is a step line but does not parse is skipped and counted, never
-dropped in silence.
+dropped in silence; so is a value a float64 cannot hold (`1e999`, `1e-400`: frame.UNFIT), and
+a last step line without its newline (cut off by a run still writing, or killed: a value cut
+mid-number still parses).
 
 Two readers with one meaning: a vectorised one (numpy finds the lines, pandas' C parser reads
 `key:float` tokens) for the usual log, and the line-by-line reference, which decides everything
@@ -35,16 +37,19 @@ from parity.readers.frame import (
     FLOAT32,
     FLOAT64,
     MAX_STEP,
+    UNFIT,
     Cells,
     Format,
     ReadLog,
     ReadOptions,
+    Unfit,
     assemble,
     bad_key,
     fail,
     finish,
+    unfit,
 )
-from parity.readers.text import read_bytes
+from parity.readers.text import CUT_TAIL, cut_tail, read_bytes
 
 # A verl console metric line: `step:N - k:v - ...` where no name runs into `step:` (the
 # lookbehind sits after the literal so the regex engine can scan for "step:" quickly).
@@ -148,6 +153,33 @@ def _maybe_bool(body: bytes, rows: np.ndarray) -> bool:
     return bool(((last == ord("e")) | (last == ord("E"))).any())
 
 
+_WINDOW = 40  # bytes of a row's end looked at by `_maybe_unfit`
+
+
+def _maybe_unfit(body: bytes, rows: np.ndarray, vals: np.ndarray) -> bool:
+    """Whether a row of `body` read as 0.0 or +-inf may be a number a float64 cannot hold
+    (frame.unfit: pandas' parser, like float(), reads 1e-400 as 0.0 and 1e999 as inf): a 0.0
+    whose text has a nonzero digit, an inf whose text spells no `inf`. Only those rows are
+    looked at, in the last `_WINDOW` bytes of each; a longer value is not judged here."""
+    if not len(rows):
+        return False
+    buf = np.frombuffer(body, dtype=np.uint8)
+    ends = np.append(np.flatnonzero(buf == ord("\n")), len(buf))
+    if len(ends) <= rows[-1]:
+        return True  # not one row per line: do not guess
+    at = ends[rows][:, None] - _WINDOW + np.arange(_WINDOW)
+    window = np.where(at >= 0, buf[np.maximum(at, 0)], ord("\n"))
+    colon = window == ord(":")
+    if not colon.any(axis=1).all():
+        return True  # a value longer than the window
+    start = _WINDOW - np.argmax(colon[:, ::-1], axis=1)  # just after each row's last ':'
+    value = np.arange(_WINDOW) >= start[:, None]
+    nonzero = ((window >= ord("1")) & (window <= ord("9")) & value).any(axis=1)
+    spelled = (((window == ord("i")) | (window == ord("I"))) & value).any(axis=1)
+    zero = vals[rows] == 0.0
+    return bool((zero & nonzero).any() or (~zero & ~spelled).any())
+
+
 def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     """The step lines of `raw` as tokens, or None ("let the line-by-line reader decide").
 
@@ -205,6 +237,8 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     if at is not None and not _steps_are_digits(raw, at, steps):
         return None
     if _maybe_bool(body, np.flatnonzero(((vals == 0.0) | (vals == 1.0)) & ~is_step)):
+        return None
+    if _maybe_unfit(body, np.flatnonzero(((vals == 0.0) | np.isinf(vals)) & ~is_step), vals):
         return None
     return _Tokens(cats, codes, vals, n_lines)
 
@@ -327,8 +361,9 @@ def _same_keys(
     )
 
 
-def _value(raw: str) -> tuple[float, str] | None:
-    """A value as pformat printed it, with its precision; None if it is not one."""
+def _value(raw: str) -> tuple[float, str] | Unfit | None:
+    """A value as pformat printed it, with its precision; Unfit for a number its type cannot
+    hold, None if it is not one."""
     text = raw.strip()
     m = _NP_SCALAR.fullmatch(text)
     kind = "float64"
@@ -340,20 +375,27 @@ def _value(raw: str) -> tuple[float, str] | None:
         if kind.startswith(("int", "uint")):
             return float(int(text)), FLOAT64
         if kind == "float32":
-            return float(np.float32(text)), FLOAT32
-        if kind == "float16":
-            return float(np.float16(text)), "float16"
-        return float(text), FLOAT64
-    except (ValueError, OverflowError):
+            value, precision = float(np.float32(text)), FLOAT32
+        elif kind == "float16":
+            value, precision = float(np.float16(text)), "float16"
+        else:
+            value, precision = float(text), FLOAT64
+    except OverflowError:
+        return Unfit(text)
+    except ValueError:
         return None
+    return Unfit(text) if unfit(text, value) else (value, precision)
 
 
-def _line_cells(m: re.Match[str], lineno: int) -> tuple[int, list[tuple[str, float, str]]] | str:
-    """A step line's step and (key, value, precision) cells, or why it does not parse."""
+def _line_cells(
+    m: re.Match[str], lineno: int
+) -> tuple[int, list[tuple[str, float, str]], list[str]] | str:
+    """A step line's step, (key, value, precision) cells and the keys whose number a float64
+    cannot hold, or why it does not parse."""
     step = int(m[1])
     if step > MAX_STEP:
         return f"step {step} does not fit int64"
-    out = []
+    out, unfit_keys = [], []
     for token in _RAY_REPEATED.sub("", m[2]).split(" - "):
         key, colon, raw = token.rpartition(":")
         if key == "step":
@@ -363,8 +405,11 @@ def _line_cells(m: re.Match[str], lineno: int) -> tuple[int, list[tuple[str, flo
         value = _value(raw)
         if value is None:
             return f"step {step}: value of {key!r} is not numeric: {raw!r}"
+        if isinstance(value, Unfit):
+            unfit_keys.append(key)
+            continue
         out.append((key, *value))
-    return step, out
+    return step, out, unfit_keys
 
 
 def _glued_output(segment: str, start: int) -> int | None:
@@ -404,10 +449,12 @@ def _console_slow(
                 log.skip(UNPARSED, lineno)
                 first_why = first_why or f"{lineno}: {got}"
                 continue
-            step, items = got
+            step, items, unfit_keys = got
             group = cells.record(step, lineno)
             for key, value, precision in items:
                 cells.add(group, key, value, precision)
+            for key in unfit_keys:
+                log.skip(UNFIT, f"line {lineno} ({key!r})")
     if not cells.steps:
         why = f" ({first_why.split(': ', 1)[1]})" if first_why else ""
         raise fail(
@@ -427,6 +474,12 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
     if b"\r" in raw:
         raw = raw.replace(b"\r\n", b"\n")
     log = ReadLog()
+    whole, cut = cut_tail(raw)
+    if cut is not None and _STEP_LINE_B.search(raw, len(whole)):  # a step line cut off
+        log.skip(CUT_TAIL, cut)
+        raw = whole
+        if _STEP_LINE_B.search(raw) is None:
+            raise fail(path, cut, "no metrics records: the only step line has no newline (cut off)")
     out = _console_fast(raw.replace(b"\r", b"\n") if b"\r" in raw else raw)
     precision: dict[str, str] = {}
     if out is None:  # line numbers count the file's lines ("\n"), not a bar's "\r"

@@ -13,13 +13,18 @@ Metrics come from `Record.history` (field 2): `HistoryRecord{item: HistoryItem{k
 nested_key: 2, value_json: 16, ...}, step: HistoryStep{num: 1}}`. wandb 0.31 writes every key
 as a `nested_key` path (`{"a": {"b": 1}}` is `a.b`, as the W&B UI names it); older versions
 wrote `key` with a JSON object. Values are JSON, read as float64 exactly; strings, bools,
-lists and media (a path with a `_type` leaf, e.g. a histogram or a table) are not metrics.
+lists and media (a path with a `_type` leaf, e.g. a histogram or a table) are not metrics. A
+number a float64 cannot hold (`1e999`, `1e-400`, an integer beyond 1.8e308) is skipped and
+counted (frame.UNFIT).
 
 Steps: `_step` is the step given to `wandb.log(..., step=N)`, else wandb's count of log calls.
 HF's WandbCallback logs without a step and puts the trainer's step in `train/global_step`: in a
 run that has that key it is the step, and a record without it cannot be placed (skipped).
 W&B's own keys (`_step`, `_runtime`, `_timestamp`, `_wandb.*`) are not metrics. A run is
 complete when its exit record says exit code 0.
+
+Folders: a run folder, the `wandb/` folder of runs, or the folder holding `wandb/` (the `dir`
+given to `wandb.init`, the working folder by default), as a folder holding `mlruns/` is MLflow's.
 """
 
 from __future__ import annotations
@@ -36,16 +41,22 @@ import pandas as pd
 from parity.readers.frame import (
     FLOAT64,
     MAX_STEP,
+    UNFIT,
     Cells,
     Format,
     ReadLog,
     ReadOptions,
+    Unfit,
     fail,
     finish,
+    fit_number,
+    json_float,
+    unfit,
 )
 from parity.readers.text import read_bytes
 
 MAGIC = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+RUNS_DIR = "wandb"  # what wandb.init(dir=D) makes in D
 BLOCK, HEADER = 32768, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 _SEED = [zlib.crc32(bytes([t])) for t in range(5)]  # the CRC covers the type byte first
@@ -220,9 +231,12 @@ def _json(buf: bytes, span: tuple[int, int]) -> object:
     text = buf[span[0] : span[1]]
     number = _NUMBER.fullmatch(text)
     try:
-        if number:  # wandb-core writes -0.0 as "-0"
-            return float(text) if number.lastindex or text == b"-0" else int(text)
-        return json.loads(text.decode("utf-8"))
+        if number and (number.lastindex or text == b"-0"):  # wandb-core writes -0.0 as "-0"
+            value = float(text)
+            return Unfit(text.decode("ascii")) if unfit(text, value) else value
+        if number:
+            return int(text)
+        return json.loads(text.decode("utf-8"), parse_float=json_float)
     except ValueError:  # UnicodeDecodeError too
         raise _Bad("value is not JSON") from None
 
@@ -315,7 +329,9 @@ def read_log(raw: bytes, path: Path, options: ReadOptions) -> pd.DataFrame:
         for key, value in metrics.items():
             if _internal(key) or hf and key == HF_STEP:
                 continue
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, Unfit) or isinstance(value, int) and fit_number(value) is None:
+                log.skip(UNFIT, where)
+            elif isinstance(value, int) and not isinstance(value, bool):
                 if float(value) != value:
                     log.skip(BIG_INT, where)
                     continue
@@ -369,9 +385,19 @@ def _names(path: Path) -> set[str]:
     return {path.name, path.name.rsplit("-", 1)[-1]}
 
 
+def _holds_runs(folder: Path) -> bool:
+    """Whether `folder` is the one given to wandb.init(dir=...): its `wandb/` holds runs."""
+    runs = folder / RUNS_DIR
+    return runs.is_dir() and not _is_run_dir(folder) and bool(_run_dirs(runs))
+
+
 def locate(path: Path, options: ReadOptions) -> Path:
-    """The `.wandb` file of a file, run folder or folder of runs (`--run` picks one)."""
+    """The `.wandb` file of a file, run folder, folder of runs or folder holding `wandb/`
+    (`--run` picks one)."""
     run, picked = options.run, False
+    if path.is_dir() and not any(path.glob("*.wandb")) and not _run_dirs(path):
+        if _holds_runs(path):
+            path = path / RUNS_DIR
     if path.is_dir() and not any(path.glob("*.wandb")):
         if run == "latest-run" and (path / "latest-run").is_dir():
             return locate(path / "latest-run", ReadOptions())
@@ -407,7 +433,7 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
 def _claims(path: Path, head: bytes | None) -> bool:
     if head is not None:
         return head.startswith(MAGIC[:6]) or path.suffix == ".wandb"
-    return _is_run_dir(path) or bool(_run_dirs(path))
+    return _is_run_dir(path) or bool(_run_dirs(path)) or _holds_runs(path)
 
 
 FORMATS = [
@@ -415,8 +441,8 @@ FORMATS = [
         "wandb",
         _read,
         _claims,
-        "a W&B run folder (`wandb/run-*`, `wandb/offline-run-*`), a `wandb/` folder of them, or "
-        "a `.wandb` file",
+        "a W&B run folder (`wandb/run-*`, `wandb/offline-run-*`), a `wandb/` folder of them, the "
+        "folder holding `wandb/` (wandb.init's `dir`), or a `.wandb` file",
         FLOAT64,
     )
 ]

@@ -69,10 +69,19 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         **cpu,
+        "aten_cpu_capability": _aten_capability(torch),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "argv": sys.argv,
     }
+
+
+def _aten_capability(torch: Any) -> str | None:
+    """The vector kernels ATen dispatches to (AVX512, AVX2, ...: what the CPU offers, capped by
+    ATEN_CPU_CAPABILITY). ATen's own vectorized kernels (CPU flash attention's softmax sums in
+    16 or 8 lanes) round differently with each, apart from the BLAS."""
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if callable(get) else None
 
 
 def determinism_flags() -> dict[str, Any]:

@@ -3,6 +3,11 @@ rename), logs append-only, one complete line per write, flushed. A crash leaves 
 file or the new one, and at worst a cut last line, which every reader takes as the end of an
 incomplete run; the end record (`{"event": "end", "steps": N}`) is always written last.
 
+One exception to append-only: a log that keeps one record a step (ranks/rank{r}.jsonl,
+fingerprints.jsonl) may rewrite the last line it wrote (`replace_last`), when a step is logged
+in two calls. The file is cut back to that line's start and the merged line written: a crash
+between leaves the file without that step's line (and without an end record), never a mix.
+
 Floats go through Python's json: the shortest repr, which reads back bit for bit; NaN and
 Infinity are spelled as Python writes them.
 """
@@ -14,7 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -43,19 +48,32 @@ def console_line(step: int, metrics: dict[str, Any]) -> str:
 
 
 class LineLog:
-    """One append-only text file: each `write` is one complete line, flushed at once."""
+    """One append-only UTF-8 text file: each `write` is one complete line, flushed at once."""
 
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._file: BinaryIO = open(self.path, "ab" if append else "wb")
+        self._last: int | None = None  # where the last line this log wrote starts
 
     def write(self, line: str) -> None:
-        self._file.write(line + "\n")
+        data = (line + "\n").encode("utf-8")  # encoded before anything is written
+        self._last = self._file.tell()
+        self._file.write(data)
         self._file.flush()
 
     def record(self, record: dict[str, Any]) -> None:
         self.write(json.dumps(record))  # serialised before anything is written
+
+    def replace_last(self, record: dict[str, Any]) -> None:
+        """Rewrite the last line this log wrote as `record` (see the module doc)."""
+        if self._last is None:
+            raise RuntimeError(f"{self.path}: no line written here to replace")
+        data = (json.dumps(record) + "\n").encode("utf-8")
+        self._file.truncate(self._last)
+        self._file.seek(self._last)
+        self._file.write(data)
+        self._file.flush()
 
     def keep_before(self, step: int, step_of: Callable[[str], int | None]) -> None:
         """Rewrite the file (atomically) with only its lines of a step before `step`: later
@@ -64,7 +82,8 @@ class LineLog:
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         kept = [x for x in lines if (s := step_of(x)) is not None and s < step]
         write_text_atomic(self.path, "".join(kept))
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab")
+        self._last = None
 
     def close(self) -> None:
         if not self._file.closed:

@@ -8,11 +8,16 @@ write the run folder the harness reads, next to their own output.
     trainer.train()
 
 What it writes into `args.output_dir` (or `out`):
-- metrics.jsonl (rank 0; `metrics=False` leaves the metrics to trainer_state.json): each logged
-  step's record, the values exactly as Trainer logged them, under the names HF's TensorBoard
-  callback gives them (`train/loss`, `eval/loss`; parity/readers/hf.py reads trainer_state.json
-  alike): a step's training and evaluation logs make one record, the end-of-training summary
-  (`train/train_loss`, ...) joins the last step's; then the end record, when training ends;
+- metrics.jsonl (rank 0; `metrics=False` leaves the metrics to trainer_state.json): each log
+  Trainer makes, as it makes it, the values exactly as Trainer logged them, under the names HF's
+  TensorBoard callback gives them (`train/loss`, `eval/loss`; parity/readers/hf.py reads
+  trainer_state.json alike). A step's training log, its evaluation and, at the last step, the
+  end-of-training summary (`train/train_loss`, ...) are `Recorder.log` calls of one step, which
+  the readers merge into one step (the recorder's rule for a step logged in several calls). A
+  key the step already has is left out when its value is the same (`epoch` is on every log)
+  or when the summary repeats it (keep the step's own, as parity/readers/hf.py does); with
+  another value it is refused at the call, as the reader would refuse trainer_state.json; then
+  the end record, when training ends;
 - manifest.json (rank 0, when training begins): TrainingArguments, the environment fingerprint,
   device, backend, world size, torch's determinism flags and Trainer's seed;
 - ranks/rank{r}.jsonl: every rank's logged metrics and the digest of the micro-batches its model
@@ -33,6 +38,7 @@ Imports transformers (when this module is imported); `parity.record` itself need
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,7 +53,13 @@ from parity.record.names import HF_SUMMARY_KEY, hf_metric_name
 from parity.record.recorder import Recorder
 
 LIBRARIES = ("accelerate", "trl", "peft", "deepspeed", "datasets")
+
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def _same(a: float, b: float) -> bool:
+    """The same bits, or both NaN (a repeat of a value, not another value)."""
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b) or a != a and b != b
 
 
 class ParityCallback(TrainerCallback):
@@ -72,7 +84,7 @@ class ParityCallback(TrainerCallback):
         self.model: torch.nn.Module | None = None
         self._attached = False
         self._hook = None
-        self._pending: tuple[int, dict[str, Any]] | None = None  # a step's merged logs
+        self._logged: tuple[int, dict[str, float]] = (-1, {})  # a step and what it has logged
         self._fingerprinted: int | None = None
         self.trace_step = trace_step
         self._trace: contextlib.ExitStack | None = None
@@ -113,6 +125,7 @@ class ParityCallback(TrainerCallback):
         )
         if resumed:
             self.recorder.resume_at(state.global_step + 1)
+        self._logged = (-1, {})
         self.model = model
         if model is not None:
             self._hook = model.register_forward_pre_hook(self._digest, with_kwargs=True)
@@ -127,7 +140,6 @@ class ParityCallback(TrainerCallback):
         )
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._flush()  # the last step's logs and evaluation are all in
         if self.trace_step and state.global_step + 1 == self.trace_step and self._trace is None:
             from parity.record.optrace import trace_ops
 
@@ -145,30 +157,31 @@ class ParityCallback(TrainerCallback):
         if self.recorder is None or not logs:
             return
         step = state.global_step
-        if self._pending is not None and self._pending[0] != step:
-            self._flush()
-        if self._pending is None:
-            self._pending = (step, {})
-        merged = self._pending[1]
+        if self._logged[0] != step:
+            self._logged = (step, {})
+        given = self._logged[1]
         # the row Trainer.log appended to the history: `logs` itself has lost total_flos to
         # the progress callback (it pops it) by the time user callbacks see it
         history = state.log_history[-1] if state.log_history else {}
         row = history if history.get("step") == step and logs.keys() <= history.keys() else logs
         summary = HF_SUMMARY_KEY in row
+        new: dict[str, float] = {}
         for key, value in row.items():
             if key == "step":
                 continue
             if not isinstance(value, (int, float)):  # a bool is a number, 1.0 or 0.0, there too
                 continue  # not a number: HF's TensorBoard callback drops it too
-            name = hf_metric_name(key)
-            if summary and name in merged:
-                continue  # the summary repeats a key of its step's own log: keep the step's
-            merged[name] = float(value)
+            name, value = hf_metric_name(key), float(value)
+            if name in given and (summary or _same(given[name], value)):
+                continue  # `epoch` again, or the summary's repeat: the step's own stays
+            new[name] = value
+        if new or not given:  # a step's first log writes its record even without numbers
+            self.recorder.log(step, new)
+        given.update(new)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.recorder is None:
             return
-        self._flush()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -176,12 +189,6 @@ class ParityCallback(TrainerCallback):
         self.recorder = None
 
     # --- recording ------------------------------------------------------------------------------
-
-    def _flush(self) -> None:
-        if self._pending is not None and self.recorder is not None:
-            step, metrics = self._pending
-            self._pending = None
-            self.recorder.log(step, metrics)
 
     def _digest(self, module, args, kwargs) -> None:
         if self.recorder is None:

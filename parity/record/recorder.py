@@ -8,12 +8,20 @@
 
 Every record is one complete line, flushed when written; the manifest is written atomically; the
 end records come last (metrics.jsonl's very last), so a run that crashed reads as incomplete.
+
+A step may be logged in more calls than one (its train metrics, then its eval metrics): each
+call adds keys the step does not have yet. metrics.jsonl and console.log get another line of
+that step (the readers merge a step's records); ranks/rank{r}.jsonl and fingerprints.jsonl keep
+one record a step, which parity.diagnose reads, so their line of the step is rewritten merged.
+A key the step already has is refused at the call (ValueError), on the rank that logs it, as is
+a step logged again after a later one: the readers would refuse the run after it ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -21,7 +29,7 @@ from typing import Any
 
 import torch
 
-from parity.record.digest import DataDigest, chosen_steps, model_fingerprint
+from parity.record.digest import DIGEST_SIZE, DataDigest, chosen_steps, model_fingerprint
 from parity.record.env import (
     default_device,
     determinism_flags,
@@ -56,6 +64,23 @@ def _config(config: Any) -> Any:
     return config
 
 
+def _merged_data(a: Mapping[str, dict], b: Mapping[str, dict]) -> dict[str, dict]:
+    """The digests of one step taken in two calls: kinds of one call as they are; a kind in
+    both (batches of one kind run between the calls) folds the two hashes into one, in order,
+    and adds the counts."""
+    out = {kind: dict(d) for kind, d in a.items()}
+    for kind, d in b.items():
+        if kind not in out:
+            out[kind] = dict(d)
+            continue
+        first = out[kind]
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        h.update(f"{first.get('hash')};{d.get('hash')}".encode())
+        counts = {k: first.get(k, 0) + v for k, v in d.items() if k != "hash"}
+        out[kind] = {"hash": h.hexdigest(), **counts}
+    return out
+
+
 def _code_dir() -> Path:
     """Where the running program's code lives: the script's folder, else the working folder."""
     script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
@@ -70,6 +95,7 @@ class Recorder:
         rec.batch(input_ids, labels)        # each micro-batch this rank trains on
         rec.fingerprint(step, model)        # after backward, before clipping (chosen steps only)
         rec.log(step, {"train/loss": ...})  # the step's reduced metrics, on every rank
+        rec.log(step, {"eval/loss": ...})   # more of the step's metrics (other keys), if any
     and rec.finish() at the end (or use it as a context manager: the end records are written
     when the block ends normally; after an exception the files are closed without them).
 
@@ -98,6 +124,10 @@ class Recorder:
         self.last_step: int | None = None
         self.finished = False
         self._pending: dict[int, dict[str, dict]] = {}  # step -> fingerprint, until logged
+        self._steps: set[int] = set()  # the steps logged so far
+        self._keys: set[str] = set()  # what the last step has logged
+        self._rank_record: dict[str, Any] | None = None  # the last step's ranks/ record
+        self._printed: dict[str, Any] | None = None  # the last fingerprints.jsonl record
         lead = self.rank == 0
 
         def opened(name: str, wanted: bool) -> LineLog | None:
@@ -198,28 +228,82 @@ class Recorder:
     ) -> None:
         """One step's record, on every rank: rank 0's metrics.jsonl (with `meta` as `_meta`),
         this rank's own record (its metrics, the digest of what it ran since the last log, and
-        meta's `epoch`), and the step's fingerprint. `data`: a digest taken elsewhere."""
+        meta's `epoch`), and the step's fingerprint. `data`: a digest taken elsewhere.
+
+        A second call for the step adds keys it does not have (module doc); a key it has
+        already, or a step logged again after a later one, is a ValueError, nothing written."""
         values = {k: _number(v) for k, v in metrics.items()}
+        again = step == self.last_step
+        self._check(step, values, again)
         if data is None:
             data = self.digest.take()
-        if self._metrics is not None:
+        new = bool(values) or not again  # a second call with no metrics adds no line
+        if self._metrics is not None and new:
             record: dict[str, Any] = {"step": step, **values}
             if meta:
                 record["_meta"] = meta
             self._metrics.record(record)
-        if self._console is not None:
+        if self._console is not None and new:
             line = console_line(step, values)
             self._console.write(line)
             print(line, flush=True)
         if self._ranks is not None:
-            extra: dict[str, Any] = {"data": data}
-            if meta and "epoch" in meta:
-                extra["epoch"] = meta["epoch"]
-            self._ranks.record({"step": step, **values, "_meta": extra})
+            self._rank_log(step, values, dict(data), meta, again)
         fingerprint = self._pending.pop(step, None)
         if fingerprint and self._fingerprints is not None:
-            self._fingerprints.record({"step": step, **fingerprint})
+            self._print_log(step, fingerprint)
+        self._steps.add(step)
+        self._keys = (self._keys if again else set()) | set(values)
         self.last_step = step
+
+    def _check(self, step: int, values: Mapping[str, Any], again: bool) -> None:
+        if again:
+            twice = [k for k in values if k in self._keys]
+            if twice:
+                raise ValueError(f"rec.log: step {step} already logged {twice[0]!r}")
+        elif step in self._steps:
+            raise ValueError(
+                f"rec.log: step {step} logged again after step {self.last_step}: log a step's "
+                "metrics before the next step's"
+            )
+
+    def _rank_log(
+        self,
+        step: int,
+        values: dict[str, Any],
+        data: dict[str, Any],
+        meta: Mapping[str, Any] | None,
+        again: bool,
+    ) -> None:
+        """This rank's record of the step: a new line, or the step's line rewritten with this
+        call's metrics and digests merged in (one record a step, as parity.diagnose reads)."""
+        assert self._ranks is not None
+        previous = self._rank_record if again else None
+        extra: dict[str, Any] = dict(previous["_meta"]) if previous else {}
+        extra["data"] = _merged_data(extra.get("data", {}), data)
+        if meta and "epoch" in meta:
+            extra["epoch"] = meta["epoch"]
+        kept = {k: v for k, v in previous.items() if k not in ("step", "_meta")} if previous else {}
+        record = {"step": step, **kept, **values, "_meta": extra}
+        if previous is None:
+            self._ranks.record(record)
+        else:
+            self._ranks.replace_last(record)
+        self._rank_record = record
+
+    def _print_log(self, step: int, fingerprint: dict[str, dict]) -> None:
+        """The step's fingerprint record, merged into the step's line if it has one."""
+        assert self._fingerprints is not None
+        previous = self._printed if self._printed and self._printed["step"] == step else None
+        if previous is None:
+            record = {"step": step, **fingerprint}
+            self._fingerprints.record(record)
+        else:
+            record = {k: dict(v) if isinstance(v, dict) else v for k, v in previous.items()}
+            for key, table in fingerprint.items():
+                record.setdefault(key, {}).update(table)
+            self._fingerprints.replace_last(record)
+        self._printed = record
 
     def resume_at(self, step: int) -> None:
         """Drop what a resumed run will log again (records from `step` on, the end records), so
@@ -232,6 +316,10 @@ class Recorder:
         ):
             if log is not None:
                 log.keep_before(step, step_of)
+        self._steps = {s for s in self._steps if s < step}
+        if self.last_step is not None and self.last_step >= step:
+            self.last_step, self._keys = None, set()
+        self._rank_record = self._printed = None
 
     def finish(self, steps: int | None = None) -> None:
         """The end records (steps: default the last logged step), metrics.jsonl's last of all,

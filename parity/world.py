@@ -1,0 +1,112 @@
+"""The world a job really ran in: which process group each rank joined (the running layer).
+
+Every launch puts ``parity/sitehook`` first on its ranks' PYTHONPATH; its sitecustomize writes
+one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder) when the
+process starts and each time ``init_process_group`` returns. ``judge`` reads them after the
+launch: a side whose ranks did not form one group of the requested size, or where two processes
+claim one rank, did not run the job that was asked for, whatever its metrics say, and is failed.
+
+Why not trust the manifest: a job writes what it believes; an accelerate script that never
+initialised its process group believes it is rank 0 of a world of one, in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORLD_DIR_ENV = "PARITY_WORLD_DIR"
+HOOK_DIR = Path(__file__).resolve().parent / "sitehook"
+
+#: what a process group's absence most often means, by the launcher's words (said once)
+_HINT = (
+    "for accelerate on CPU set ACCELERATE_USE_CPU=true (spec [env]); a script of your own must "
+    "call torch.distributed.init_process_group"
+)
+
+
+@dataclass
+class RankRecord:
+    """One rank process: torchrun's env for it, and every group it joined (usually one)."""
+
+    host: str
+    pid: int
+    env: dict[str, str | None]
+    joined: list[dict] = field(default_factory=list)
+
+    @property
+    def group(self) -> dict | None:
+        """The last group it joined (a job may destroy and re-create its group)."""
+        return self.joined[-1] if self.joined else None
+
+
+def launch_env(world_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the hook first on PYTHONPATH and the folder its records go to."""
+    world_dir.mkdir(parents=True, exist_ok=True)
+    path = [str(HOOK_DIR), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(path), WORLD_DIR_ENV: str(world_dir)}
+
+
+def read_records(world_dir: Path) -> list[RankRecord]:
+    """Every rank's record in ``world_dir`` (an unreadable one is skipped: it is then missing)."""
+    records = []
+    for path in sorted(Path(world_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            records.append(
+                RankRecord(str(data["host"]), int(data["pid"]), dict(data["env"]), data["joined"])
+            )
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            continue
+    return records
+
+
+def judge(world_dir: Path, world_size: int) -> str:
+    """'' when ``world_size`` rank processes formed one group of that size, each with its own
+    rank, and used it (a world of 1: one process, group or not); else one line saying what
+    formed instead. A rank that exits without
+    destroying its group or running its atexit (os._exit) leaves no count of the collectives its
+    group carried: then only the group itself is judged."""
+    records = read_records(world_dir)
+    started = len(records)
+    if started == 0:
+        return (
+            f"no rank recorded the world it joined (expected {world_size}); is PYTHONPATH "
+            "replaced by the job? (parity puts its start-up hook first on it)"
+        )
+    if world_size == 1:  # one process: a group of one is optional, and carries nothing
+        return "" if started == 1 else f"{started} processes started for a world of 1"
+    groups = [r.group for r in records]
+    lone = sum(g is None for g in groups)
+    if lone == started:
+        return (
+            f"{started} processes launched, none joined a process group (each ran alone); {_HINT}"
+        )
+    if lone:
+        return (
+            f"{started} processes launched, {lone} never joined a process group (ran alone); "
+            f"{_HINT}"
+        )
+    claimed = Counter(g["rank"] for g in groups if g is not None)
+    twice = ", ".join(f"rank {r} claimed by {n} processes" for r, n in claimed.items() if n > 1)
+    sizes = sorted({g["world_size"] for g in groups if g is not None})
+    if sizes != [world_size]:
+        return (
+            f"{started} processes joined process groups of size {', '.join(map(str, sizes))}, "
+            f"not one group of {world_size}" + (f" ({twice})" if twice else "")
+        )
+    if twice:
+        return f"{started} processes launched, ranks claimed twice: {twice}"
+    counts = [g.get("collectives") for g in groups if g is not None]
+    if counts and all(c == 0 for c in counts):
+        return (
+            f"{started} processes joined a process group of {world_size}, but none sent anything "
+            f"through it (each trained alone); {_HINT}"
+        )
+    if started != world_size:
+        return f"only {started} of {world_size} ranks recorded the group they joined"
+    return ""
+
