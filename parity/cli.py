@@ -234,9 +234,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         read_a=_read_options(args, "a"),
         read_b=_read_options(args, "b"),
     )
-    with OutDir.open(args.out) as held:
-        held.claim("report.md", "report.html")
-        md = report.write(Path(args.out))
+    md = report.write(Path(args.out))
     html = md.with_name("report.html")
     if args.json:
         extra = {"report": str(html), "report_md": str(md)}

@@ -37,8 +37,9 @@ from parity.compare import (
     ulp_distance,
 )
 from parity.diagnose import Diagnosis, diagnose
-from parity.files import write_text_atomic
+from parity.files import launch_dir, write_text_atomic
 from parity.golden import read_manifest
+from parity.outdir import OutDir
 from parity.readers import MetricsError, present_mask, read_metrics
 
 __all__ = ["Report", "Side", "build_report", "load_side", "write_report"]
@@ -89,7 +90,8 @@ def load_side(
     frame = read_metrics(p, fmt, **read)
     run_dir: Path | None = p
     if not p.is_dir():
-        near = [p.parent / n for n in ("manifest.json", "launcher.log")]
+        near = [p.parent / "manifest.json", p.parent / "launcher.log"]
+        near.append(launch_dir(p.parent) / "launcher.log")
         run_dir = p.parent if any(f.is_file() for f in near) else None
     side = Side(label, Path(frame.attrs.get("source", p)), frame, run_dir)
     if run_dir is None:
@@ -100,7 +102,9 @@ def load_side(
             side.manifest = read_manifest(manifest)
         except MetricsError as e:
             side.manifest_error = str(e)
-    launcher = run_dir / "launcher.log"
+    launcher = launch_dir(run_dir) / "launcher.log"  # beside the run; in it in older runs
+    if not launcher.is_file():
+        launcher = run_dir / "launcher.log"
     try:
         with open(launcher, encoding="utf-8", errors="replace") as f:
             first = f.readline(1 << 20).rstrip("\n")
@@ -387,10 +391,13 @@ class Report:
         return _PAGE.format(title=e(self.headline()), body="\n".join(body))
 
     def write(self, out_dir: str | os.PathLike[str]) -> Path:
-        """report.md and report.html into out_dir (atomically); returns report.md's path."""
+        """report.md and report.html into out_dir (atomically; a file of that name the harness
+        did not make is refused, parity.outdir); returns report.md's path."""
         out = Path(out_dir)
-        write_text_atomic(out / "report.html", self.html())
-        write_text_atomic(out / "report.md", self.markdown())
+        with OutDir.open(out) as held:
+            held.claim("report.html", "report.md")
+            write_text_atomic(out / "report.html", self.html())
+            write_text_atomic(out / "report.md", self.markdown())
         return out / "report.md"
 
 

@@ -24,7 +24,7 @@ from parity.files import launch_dir
 from parity.launch import LaunchError, LaunchResult
 from parity.outdir import OutDir
 from parity.pair import teardown_line, teardown_notes, teardown_verdict
-from parity.readers import read_metrics
+from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
 from parity.report import Report, build_report
 from parity.runs import detected, launch_spec, mark_teardown
 from parity.signals import deferred
@@ -278,7 +278,12 @@ def check_golden(
                 + ", ".join(str(b / "metrics.jsonl") for b in found)
             )
     options = _read(read)
-    read_metrics(golden, options["fmt"], **options["read_a"])  # a bad golden fails before the run
+    frame = read_metrics(golden, options["fmt"], **options["read_a"])
+    if skipped_count(frame) and not options["allow_skipped"]:  # fails before the run, not after
+        raise SkippedRecordsError(
+            f"{golden}: {read_summary(frame, 'golden')}; no verdict from a partial read "
+            "(--allow-skipped to compare anyway)"
+        )
     out = Path(out).resolve()
     run_dir = out / "current"
     inside = {run_dir, launch_dir(run_dir)}

@@ -109,4 +109,3 @@ def judge(world_dir: Path, world_size: int) -> str:
     if started != world_size:
         return f"only {started} of {world_size} ranks recorded the group they joined"
     return ""
-

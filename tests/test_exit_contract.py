@@ -42,17 +42,6 @@ ROWS = [
 END = '{"event": "end", "steps": 3}\n'
 GOOD_SPEC = 'task = "custom"\nworld_size = 1\ncommand = ["job.py", "--out", "{out}"]\n'
 
-READERS = "readers: a RecursionError while parsing is not yet a MetricsError (another engineer)"
-DIAGNOSE = "diagnose/opdiff: a malformed ops/ record is not yet a one-line error (another engineer)"
-RANKS = "diagnose: a RecursionError reading ranks/ is not yet a DiagnosisError (another engineer)"
-MANIFEST = "report: a RecursionError reading manifest.json is not yet one line (another engineer)"
-GOLDEN = (
-    "check_golden's early read of the golden does not refuse skipped records: the job would run "
-    "before the comparison refuses it (parity/revisions.py, another engineer)"
-)
-SPEC = "spec: a RecursionError in the TOML parser is not yet a SpecError (another engineer)"
-
-
 def _jsonl(rows: list[dict], end: str = END) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows) + end
 
@@ -130,11 +119,6 @@ DAMAGED: dict[str, Callable[[Path], Path]] = {
     "non-UTF-8 CSV": _file("metrics.csv", b"step,train/\xffloss\n1,0.5\n"),
     "JSON with a huge step": _file("metrics.jsonl", '{"step": 1' + "0" * 5000 + ', "x": 1.0}\n'),
 }
-# failing today because of another engineer's part: xfail (strict=False) until it lands
-PENDING = {
-    "JSON nested deep": READERS,
-    "JSON nested deep, closed": READERS,
-}
 # readable, with a verdict: the exit code must be in the contract, never a traceback
 VERDICT_INPUTS: dict[str, Callable[[Path], Path]] = {
     "1e999 (overflows to inf)": _file("metrics.jsonl", _HEAD + '{"step": 3, "x": 1e999}\n'),
@@ -142,20 +126,6 @@ VERDICT_INPUTS: dict[str, Callable[[Path], Path]] = {
     "manifest.json nested deep": _deep_manifest,
     "ranks/ nested deep": _deep_ranks,
 }
-VERDICT_PENDING = {
-    "damaged ops/ trace beside metrics": DIAGNOSE,
-    "manifest.json nested deep": MANIFEST,
-    "ranks/ nested deep": RANKS,
-}
-
-
-def _cases(corpus: dict, pending: dict) -> list:
-    return [
-        pytest.param(name, marks=pytest.mark.xfail(strict=False, reason=pending[name]))
-        if name in pending
-        else name
-        for name in corpus
-    ]
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +167,7 @@ def _commands(bad: Path, good: Path, tmp: Path) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("case", _cases(DAMAGED, PENDING))
+@pytest.mark.parametrize("case", list(DAMAGED))
 @pytest.mark.parametrize("command", COMMANDS)
 def test_damaged_metrics_are_bad_input(case, command, tmp_path, capsys):
     bad = DAMAGED[case](tmp_path)
@@ -205,7 +175,7 @@ def test_damaged_metrics_are_bad_input(case, command, tmp_path, capsys):
     _assert_bad_input(*_run(_commands(bad, good, tmp_path)[command], capsys))
 
 
-@pytest.mark.parametrize("case", _cases(DAMAGED, {**PENDING, "CSV cut mid-number": GOLDEN}))
+@pytest.mark.parametrize("case", list(DAMAGED))
 def test_check_with_a_damaged_golden_is_bad_input(case, tmp_path, capsys):
     bad = DAMAGED[case](tmp_path)
     spec = tmp_path / "spec.toml"
@@ -214,7 +184,7 @@ def test_check_with_a_damaged_golden_is_bad_input(case, tmp_path, capsys):
     _assert_bad_input(*_run(argv, capsys))
 
 
-@pytest.mark.parametrize("case", _cases(VERDICT_INPUTS, VERDICT_PENDING))
+@pytest.mark.parametrize("case", list(VERDICT_INPUTS))
 @pytest.mark.parametrize("command", COMMANDS)
 def test_damaged_extras_keep_the_contract(case, command, tmp_path, capsys):
     """Readable metrics beside damaged extras (or an overflowing value): a verdict or exit 2,
@@ -272,7 +242,6 @@ BAD_SPECS = {
     "a folder": None,
     "missing": "missing",
 }
-SPEC_PENDING = {"TOML nested deep": SPEC}
 
 
 def _bad_spec(tmp: Path, case: str) -> Path:
@@ -297,7 +266,7 @@ def _spec_commands(spec: Path, tmp: Path, good: Path) -> dict[str, list]:
     }
 
 
-@pytest.mark.parametrize("case", _cases(BAD_SPECS, SPEC_PENDING))
+@pytest.mark.parametrize("case", list(BAD_SPECS))
 @pytest.mark.parametrize("command", ["pair", "check --golden", "check --base", "bisect"])
 def test_bad_specs_are_bad_input(case, command, tmp_path, capsys):
     spec = _bad_spec(tmp_path, case)

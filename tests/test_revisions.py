@@ -240,10 +240,9 @@ def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, m
     """A run folder is read with format detection, so a file an earlier run left in it (an HF
     job's trainer_state.json, say) must not be read as this run's output: the folder starts
     empty. No real launch: the fake launcher writes nothing."""
-    from parity.spec import JobSpec
-
     from parity.launch import LaunchError
     from parity.outdir import OutDir
+    from parity.spec import JobSpec
 
     with OutDir.open(tmp_path) as held:  # an earlier run's folder, made by the harness
         run_dir = held.make_dir("base")
