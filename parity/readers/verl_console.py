@@ -139,14 +139,19 @@ class _Tokens:
     n_lines: int
 
 
+def _row_ends(body: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """`body` as bytes, and where each of its rows ends (its newline, or the end)."""
+    buf = np.frombuffer(body, dtype=np.uint8)
+    return buf, np.append(np.flatnonzero(buf == ord("\n")), len(buf))
+
+
 def _maybe_bool(body: bytes, rows: np.ndarray) -> bool:
     """Whether a row of `body` read as 0 or 1 may have been true/false (some pandas read those
     as 1/0 where float() refuses them): its text ends in 'e' or 'E'. Only those rows are looked
     at, found by their newlines, so a log with no such values pays nothing."""
     if not len(rows):
         return False
-    buf = np.frombuffer(body, dtype=np.uint8)
-    ends = np.append(np.flatnonzero(buf == ord("\n")), len(buf))
+    buf, ends = _row_ends(body)
     if len(ends) <= rows[-1]:
         return True  # not one row per line: do not guess
     last = buf[ends[rows] - 1]
@@ -163,8 +168,7 @@ def _maybe_unfit(body: bytes, rows: np.ndarray, vals: np.ndarray) -> bool:
     looked at, in the last `_WINDOW` bytes of each; a longer value is not judged here."""
     if not len(rows):
         return False
-    buf = np.frombuffer(body, dtype=np.uint8)
-    ends = np.append(np.flatnonzero(buf == ord("\n")), len(buf))
+    buf, ends = _row_ends(body)
     if len(ends) <= rows[-1]:
         return True  # not one row per line: do not guess
     at = ends[rows][:, None] - _WINDOW + np.arange(_WINDOW)
