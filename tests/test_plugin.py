@@ -61,3 +61,31 @@ def test_an_option_path_that_would_become_the_rootdir_is_refused(pytester, tmp_p
     result.stderr.fnmatch_lines(["*--parity-keep-runs*did not read the ini*--parity-keep-runs=*"])
     pytester.runpytest(f"--parity-keep-runs={outside}").assert_outcomes(passed=1)
     pytester.runpytest("--parity-keep-runs", "runs").assert_outcomes(passed=1)  # not there yet
+
+
+def test_the_keep_runs_folder_is_held_and_owned(pytester, tmp_path_factory):
+    """`--parity-keep-runs=DIR` gets the rules of any --out (parity.outdir): held for the
+    session (a second command on it is refused, naming the session's pid), and a folder of the
+    user's in it is never taken for a run folder."""
+    keep = tmp_path_factory.mktemp("keep")
+    (keep / "mine").mkdir()
+    (keep / "mine" / "notes.txt").write_text("the user's")
+    pytester.makepyfile(
+        f"""
+        import os, subprocess, sys
+        import pytest
+        from parity.outdir import OutDir, OutputError
+
+        PROBE = "from parity.outdir import OutDir; OutDir.open({str(keep)!r})"
+
+        def test_inner(parity_runner):
+            assert str(parity_runner.base_dir) == {str(keep)!r}
+            probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
+            assert probe.returncode != 0 and f"in use by pid {{os.getpid()}}" in probe.stderr
+            with OutDir.open(parity_runner.base_dir) as held, pytest.raises(OutputError):
+                held.claim("mine")
+        """
+    )
+    result = pytester.runpytest(f"--parity-keep-runs={keep}", "--parity-no-pool")
+    result.assert_outcomes(passed=1)
+    assert (keep / "mine" / "notes.txt").read_text() == "the user's"
