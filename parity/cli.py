@@ -348,7 +348,6 @@ def _run_onpolicy_job(args: argparse.Namespace) -> Path:
 
 def cmd_spec(args: argparse.Namespace) -> int:
     """Print the commented example spec, or check a spec file and print the job(s) it gives."""
-    from parity.launch import masked_env
     from parity.spec import EXAMPLE
 
     if args.example:
@@ -359,14 +358,11 @@ def cmd_spec(args: argparse.Namespace) -> int:
     loaded = load_spec(args.file)
     load_policies(args.file)
     load_read_options(args.file)
-    def shown(spec: JobSpec) -> dict:
-        return {**spec.to_dict(), "env": masked_env(spec.env)}
-
     if isinstance(loaded, PairSpec):
         a, b = loaded.sides()
-        print(json.dumps({"a": shown(a), "b": shown(b)}, indent=2))
+        print(json.dumps({"a": a.shown(), "b": b.shown()}, indent=2))
     else:
-        print(json.dumps(shown(loaded), indent=2))
+        print(json.dumps(loaded.shown(), indent=2))
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from parity import world
 from parity.signals import deferred
+from parity.spec import masked_env
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
 
@@ -349,17 +350,6 @@ def launch(
     if not result.ok and not timed_out:
         result.failures = _parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
-
-
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
-def masked_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with the values of variables whose names hold TOKEN, KEY, SECRET or PASSWORD
-    replaced by ``***``: what may be shown in logs and reports."""
-    return {
-        k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()
-    }
 
 
 def reproduce_line(cmd: Sequence[str], env: Mapping[str, str]) -> str:

@@ -15,7 +15,7 @@ from parity import runs
 from parity.compare import Comparison, Policy, compare_frames
 from parity.diagnose import diagnose
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
-from parity.launch import LaunchResult, masked_env
+from parity.launch import LaunchResult
 from parity.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
 from parity.outdir import OutDir
 from parity.runs import Run
@@ -196,18 +196,13 @@ def _run_pair(
     return result
 
 
-def _shown(spec: JobSpec) -> dict[str, Any]:
-    """A spec as summaries show it: secrets in its env masked."""
-    return {**spec.to_dict(), "env": masked_env(spec.env)}
-
-
 def write_summary(result: PairResult) -> None:
     comparison = result.comparison.to_dict()
     sources = {side: comparison.pop(side) for side in ("a", "b")}  # the metrics files
     summary = {
         **comparison,
-        "a": {"spec": _shown(result.a.spec), "dir": str(result.a.dir), "metrics": sources["a"]},
-        "b": {"spec": _shown(result.b.spec), "dir": str(result.b.dir), "metrics": sources["b"]},
+        "a": {"spec": result.a.spec.shown(), "dir": str(result.a.dir), "metrics": sources["a"]},
+        "b": {"spec": result.b.spec.shown(), "dir": str(result.b.dir), "metrics": sources["b"]},
         "seconds": {"a": result.a.launch.duration_s, "b": result.b.launch.duration_s},
         "mode": "in-process" if result.a.in_process else "separate",
         "diagnosis": diagnose(result.a.dir, result.b.dir, result.comparison).to_dict(),

@@ -138,8 +138,12 @@ class JobSpec:
             raise SpecError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict, for manifests and summaries."""
+        """Plain JSON-able dict (secrets included: what rebuilds the spec)."""
         return dataclasses.asdict(self)
+
+    def shown(self) -> dict[str, Any]:
+        """``to_dict`` as summaries and `parity spec` show it: secrets in env masked."""
+        return {**self.to_dict(), "env": masked_env(self.env)}
 
     def to_args(self, out_dir: Path) -> list[str]:
         """Module args for torchrun, e.g. ``["-m", "worker.sft", "--trainer", "worker", ...]``."""
@@ -339,6 +343,17 @@ def load_read_options(path: str | Path | None) -> dict[str, Any]:
         if not ok:
             raise SpecError(f"{path}: read.{key} = {options[key]!r} is not valid")
     return options
+
+
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def masked_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the values of variables whose names hold TOKEN, KEY, SECRET or PASSWORD
+    replaced by ``***``: what may be shown in logs and reports."""
+    return {
+        k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()
+    }
 
 
 # --- helpers -----------------------------------------------------------------------------------
