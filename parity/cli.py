@@ -259,17 +259,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.golden is not None:
         if args.base or args.head:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
-        with OutDir.open(out):
-            result = check_golden(
-                loaded, Path(args.golden), out, policies=policies, read=read,
-                allow_teardown_failure=args.allow_teardown_failure,
-            )  # fmt: skip
+        result = check_golden(
+            loaded, Path(args.golden), out, policies=policies, read=read,
+            allow_teardown_failure=args.allow_teardown_failure,
+        )  # fmt: skip
     elif args.base:
-        with OutDir.open(out):
-            result = check_revisions(
-                loaded, args.base, args.head, out, policies=policies, read=read,
-                allow_teardown_failure=args.allow_teardown_failure,
-            )  # fmt: skip
+        result = check_revisions(
+            loaded, args.base, args.head, out, policies=policies, read=read,
+            allow_teardown_failure=args.allow_teardown_failure,
+        )  # fmt: skip
     else:
         raise SpecError("check needs --base REV (and optionally --head REV) or --golden FILE")
     html = result.report.with_name("report.html")
@@ -298,12 +296,11 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
     policies = _with_spec(_policies(args.policy), args.spec)
     read = _run_read_options(args)
-    with OutDir.open(args.out):
-        result = bisect(
-            args.spec, args.good, args.bad, Path(args.out), policies=policies,
-            fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
-            allow_skipped=read["allow_skipped"],
-        )  # fmt: skip
+    result = bisect(
+        args.spec, args.good, args.bad, Path(args.out), policies=policies,
+        fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
+        allow_skipped=read["allow_skipped"],
+    )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
     else:
@@ -341,8 +338,7 @@ def _run_onpolicy_job(args: argparse.Namespace) -> Path:
         inject=args.inject,
     )  # fmt: skip
     out = Path(args.out)
-    with OutDir.open(out.parent):
-        run_job(spec, out, label=f"onpolicy {args.trainer}")
+    run_job(spec, out, label=f"onpolicy {args.trainer}")
     return out
 
 
