@@ -155,6 +155,7 @@ def _pair_once(steps: int, in_process: bool) -> tuple[float, float, float]:
     tree) for one 2-rank SFT pair."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "2"]
+        cmd += ["--task", "charcount-sft", "--a", "legacy", "--b", "worker"]
         cmd += ["--steps", str(steps), "--out", tmp, "--json"]
         cmd += ["--in-process"] if in_process else []
         start, cpu = time.perf_counter(), _children_cpu()
@@ -173,7 +174,7 @@ def _launch_once(steps: int) -> tuple[float, float, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         start, cpu = time.perf_counter(), _children_cpu()
-        run = run_job(JobSpec(world_size=2, steps=steps), Path(tmp) / "run")
+        run = run_job(JobSpec(task="charcount-sft", world_size=2, steps=steps), Path(tmp) / "run")
         wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
         return wall, _train_seconds(run.dir), cpu
 

@@ -41,13 +41,13 @@ MUTANTS = ("lr-before-step", "loss-summed-over-ranks", "missing-dp-factor")
 
 def plan(i: int, steps: int) -> tuple[PairSpec, str]:
     """Pair number i (from 0) and the verdict it must get."""
-    base = JobSpec(world_size=2, steps=steps, timeout_s=300)
+    base = JobSpec(task="charcount-sft", world_size=2, steps=steps, timeout_s=300)
     if i % 3 == 1:
         mutant = MUTANTS[(i // 3) % len(MUTANTS)]
         return PairSpec(base, {"trainer": "worker"}, {"trainer": "worker", "inject": [mutant]}), (
             "diverged"
         )
-    return PairSpec.from_trainers(base, "legacy", "worker"), "aligned"
+    return PairSpec.from_variants(base, "legacy", "worker"), "aligned"
 
 
 def _children() -> list[int]:
@@ -88,7 +88,8 @@ def _contend(folder: Path, done: threading.Event, record: dict) -> None:
         if done.wait(0.05):
             record["contended"] = "never held"
             return
-    cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "1", "--steps", "1",
+    cmd = [sys.executable, "-m", "parity.cli", "pair", "--task", "charcount-sft",
+           "--world", "1", "--steps", "1",
            "--timeout", "5", "--out", str(folder)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     refused = proc.returncode == 2 and f"in use by pid {os.getpid()}" in proc.stderr
@@ -152,7 +153,7 @@ def _soak(
         if contend:
             rival.start()
         try:
-            result = run_pair(pair, folder)
+            result = run_pair(pair, folder, trace=False, report=False)  # timings as before
             launches = [result.a.launch, result.b.launch]
             record["verdict"] = result.verdict
             if result.teardown:

@@ -52,17 +52,21 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# the charcount presets by import path: a GPU machine runs the tree as it is, with no
+# installed package registering them
+SFT_TASK, PPO_TASK = "worker.presets:SFT", "worker.presets:PPO"
 CHECK_ID_ENV = "PARITY_GPU_CHECK_ID"  # carried by every process a check starts: the cleanup's key
 MARKER = "gpu-check.json"  # in OUT: the folder is ours, and may be cleared on a new run
 VERDICTS = ("pass", "fail", "error")
 
 
 def pinned() -> dict[str, str]:
-    """pyproject's dependencies, name -> requirement (``==2.13.0``): what a machine has instead
-    is reported against them. Read as text: tomllib may be missing (Python 3.10)."""
+    """The reference subject's dependencies (worker/pyproject.toml), name -> requirement
+    (``==2.13.0``): what a machine has instead is reported against them. Read as text: tomllib
+    may be missing (Python 3.10)."""
     import re
 
-    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    text = (ROOT / "worker" / "pyproject.toml").read_text(encoding="utf-8")
     block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
     out = {}
     for m in re.finditer(r'"([A-Za-z0-9_.-]+)\s*([^"]*)"', block.group(1) if block else ""):
@@ -105,14 +109,15 @@ class Context:
         overrides: dict[str, Any] = {"val_samples": self.val_samples} if self.val_samples else {}
         if self.attn != "sdpa":
             overrides["attn"] = self.attn
-        base = dict(world_size=1, steps=self.steps, global_batch_size=16, micro_batch_size=4)
+        base = dict(task=SFT_TASK, world_size=1, steps=self.steps, global_batch_size=16,
+                    micro_batch_size=4)  # fmt: skip
         return JobSpec(**{**base, "overrides": overrides, "timeout_s": self.timeout(), **changes})
 
     def ppo(self):
         from parity.spec import JobSpec
 
         return JobSpec(
-            task="charcount-ppo",
+            task=PPO_TASK,
             world_size=1,
             steps=self.ppo_steps,
             global_batch_size=8,
@@ -396,8 +401,9 @@ def check_sft_pair(ctx: Context) -> Result:
     from parity.pair import run_pair
     from parity.spec import PairSpec
 
-    pair = PairSpec.from_trainers(ctx.sft(), "legacy", "worker")
-    result = run_pair(pair, ctx.runs / "sft-pair", allow_teardown_failure=False)
+    pair = PairSpec.from_variants(ctx.sft(), "legacy", "worker")
+    # trace=False everywhere: device time is budgeted; a divergence is diagnosed again on a CPU
+    result = run_pair(pair, ctx.runs / "sft-pair", allow_teardown_failure=False, trace=False)
     return _pair_verdict(ctx, result, "SFT legacy vs worker, 1 rank,")
 
 
@@ -438,8 +444,8 @@ def check_in_process(ctx: Context) -> Result:
     from parity.pair import run_pair
     from parity.spec import PairSpec
 
-    pair = PairSpec.from_trainers(ctx.sft(), "legacy", "worker")
-    result = run_pair(pair, ctx.runs / "in-process", in_process=True)
+    pair = PairSpec.from_variants(ctx.sft(), "legacy", "worker")
+    result = run_pair(pair, ctx.runs / "in-process", in_process=True, trace=False)
     verdict = _pair_verdict(ctx, result, "in-process SFT legacy vs worker")
     same: dict[str, Any] = {}
     for side, run in (("a", result.a), ("b", result.b)):
@@ -472,8 +478,8 @@ def check_ppo_pair(ctx: Context) -> Result:
     from parity.pair import run_pair
     from parity.spec import PairSpec
 
-    pair = PairSpec.from_trainers(ctx.ppo(), "legacy", "worker")
-    result = run_pair(pair, ctx.runs / "ppo-pair")
+    pair = PairSpec.from_variants(ctx.ppo(), "legacy", "worker")
+    result = run_pair(pair, ctx.runs / "ppo-pair", trace=False)
     return _pair_verdict(ctx, result, "PPO legacy vs worker, 1 rank,")
 
 
@@ -490,8 +496,8 @@ def check_bf16(ctx: Context) -> Result:
         fp32 = run_job(ctx.sft(trainer="worker"), fp32_dir, label="fp32").metrics
     os.environ["PARITY_AUTOCAST"] = "bf16"
     try:
-        pair = PairSpec.from_trainers(ctx.sft(), "legacy", "worker")
-        result = run_pair(pair, ctx.runs / "bf16", in_process=True)
+        pair = PairSpec.from_variants(ctx.sft(), "legacy", "worker")
+        result = run_pair(pair, ctx.runs / "bf16", in_process=True, trace=False)
     finally:
         del os.environ["PARITY_AUTOCAST"]
     verdict = _pair_verdict(ctx, result, "bf16 SFT legacy vs worker")
@@ -542,11 +548,11 @@ def check_two_ranks(ctx: Context) -> Result:
         share = min(left / (len(attempts) - i), 90.0)  # a hang leaves time for the next one
         # an in-process launch may take both sides' timeouts
         spec = ctx.sft(world_size=2, engine=engine, timeout_s=share / 2)
-        pair = PairSpec.from_trainers(spec, "legacy", "worker")
+        pair = PairSpec.from_variants(spec, "legacy", "worker")
         os.environ["PARITY_BACKEND"] = backend
         start = time.time()
         try:
-            result = run_pair(pair, ctx.runs / "two-ranks" / name, in_process=True)
+            result = run_pair(pair, ctx.runs / "two-ranks" / name, in_process=True, trace=False)
         except LaunchError as e:
             results[name] = {"ran": False, "verdict": None, "error": _error_text(e, 60)}
             results[name]["first_failure"] = _first_failure_line(e)

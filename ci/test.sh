@@ -7,7 +7,9 @@ VENV="${PARITY_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e '.[dev,writers]'
+# the harness (light: no torch) with its test tools and the log writers the readers' tests use,
+# and the reference subject (worker/, its own distribution, with the pins the goldens need)
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e './worker' -e '.[dev,test,writers]'
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks ci
 exec "$VENV/bin/python" -m pytest "$@"

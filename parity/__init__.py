@@ -1,13 +1,64 @@
-"""parity: prove that a training refactor changed no number, or say where it did."""
+"""parity: prove that a training refactor changed no number, or say where it did.
+
+The API, loaded on first use (PEP 562) so that `import parity` and the CLI import neither torch
+nor pytest (only `assert_parity`, the pytest helper, needs pytest):
+
+    import parity
+
+    job = parity.JobSpec(command=["train.py", "--out", "{out}"], world_size=2)
+    pair = parity.PairSpec(job, b={"env": {"USE_NEW_LOOP": "1"}})
+    result = parity.run_pair(pair, "runs/pair")  # what `parity pair` does
+    print(result.verdict, result.diagnosis.lines(), result.report)
+"""
 
 from __future__ import annotations
 
-__all__ = ["assert_parity"]
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from parity.bisect import bisect
+    from parity.compare import Policy, compare_frames
+    from parity.errors import InputError, SpecError
+    from parity.pair import run_pair
+    from parity.plugin import assert_parity
+    from parity.readers import read_metrics
+    from parity.revisions import check_revisions
+    from parity.runs import run_job
+    from parity.spec import JobSpec, PairSpec
+
+#: each public name and the module it lives in
+_HOMES = {
+    "run_pair": "parity.pair",
+    "run_job": "parity.runs",
+    "JobSpec": "parity.spec",
+    "PairSpec": "parity.spec",
+    "compare_frames": "parity.compare",
+    "Policy": "parity.compare",
+    "read_metrics": "parity.readers",
+    "check_revisions": "parity.revisions",
+    "bisect": "parity.bisect",
+    "assert_parity": "parity.plugin",
+    "InputError": "parity.errors",
+    "SpecError": "parity.errors",
+}
+
+__all__ = [
+    "InputError", "JobSpec", "PairSpec", "Policy", "SpecError", "assert_parity", "bisect",
+    "check_revisions", "compare_frames", "read_metrics", "run_job", "run_pair",
+]  # fmt: skip
 
 
 def __getattr__(name: str):
-    if name == "assert_parity":  # lazy: the CLI should not import pytest
-        from parity.plugin import assert_parity
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'parity' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    # kept: the next use is a plain lookup. For `bisect` this also replaces the submodule
+    # parity.bisect, which importing it bound here, with its function.
+    globals()[name] = value
+    return value
 
-        return assert_parity
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, MetricResult, Policy, _json, compare_frames
+from parity.compare import Comparison, MetricResult, Policy, compare_frames, json_value
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
 from parity.launch import LaunchError
 from parity.outdir import OutDir
@@ -77,7 +78,7 @@ class BisectResult:
         """JSON-able, non-finite floats as strings."""
 
         def clean(t: TestedCommit | None) -> dict[str, Any] | None:
-            return None if t is None else {k: _json(v) for k, v in asdict(t).items()}
+            return None if t is None else {k: json_value(v) for k, v in asdict(t).items()}
 
         return {
             "verdict": self.verdict,
@@ -151,7 +152,7 @@ class _Reading:
 
 
 def _git(repo: Path, *args: str) -> str:
-    from parity.revisions import _git as git
+    from parity.revisions import git
 
     return git(repo, *_QUIET_GIT, *args)
 
@@ -189,7 +190,7 @@ def _test_commit(
             tested.metric, tested.step = m.name, m.first_divergent_step
             tested.policy = m.first_divergent_policy or m.policy
             tested.a_value, tested.b_value = m.a_value, m.b_value
-    write_json_atomic(run_dir / "verdict.json", {k: _json(v) for k, v in asdict(tested).items()})
+    write_json_atomic(run_dir / "verdict.json", json_value(asdict(tested)))
     return tested
 
 
@@ -362,3 +363,15 @@ def _save_log(tree: Path, out: Path) -> None:
 
 def _say(text: str) -> None:
     print(f"parity bisect: {text}", file=sys.stderr, flush=True)
+
+
+class _CallableModule(types.ModuleType):
+    """``parity.bisect`` names this module once it is imported (Python sets the attribute), and
+    the function ``bisect`` in the package's API: calling the module calls the function, so
+    ``parity.bisect(...)`` works either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> BisectResult:
+        return bisect(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

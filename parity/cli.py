@@ -18,11 +18,11 @@ import traceback
 from pathlib import Path
 
 from parity.compare import Comparison, Policy, compare_frames
+from parity.errors import InputError
 from parity.launch import LaunchError
-from parity.outdir import OutDir
-from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
+from parity.readers import DUPLICATE_RULES, FORMATS, read_metrics
 from parity.readers.frame import clip_message
-from parity.report import build_report, write_report
+from parity.report import build_report
 from parity.spec import (
     JobSpec,
     PairSpec,
@@ -68,41 +68,83 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
-    if args.spec:
-        loaded = load_spec(args.spec)
-        pair = (
-            loaded
-            if isinstance(loaded, PairSpec)
-            else PairSpec.from_trainers(loaded, args.a, args.b)
-        )
-    else:
-        base = JobSpec(
-            task=args.task,
-            world_size=args.world,
-            engine=args.engine,
-            steps=args.steps,
-            seed=args.seed,
-            global_batch_size=args.global_batch_size,
-            micro_batch_size=None if args.dynamic_bsz else args.micro_batch_size,
-            dynamic_bsz=args.dynamic_bsz,
-            max_tokens_per_rank=args.max_tokens_per_rank,
-            model=args.model,
-            timeout_s=args.timeout,
-        )
-        pair = PairSpec.from_trainers(base, args.a, args.b)
-    if args.inject_a or args.inject_b:
-        pair = PairSpec(
-            pair.base,
-            {**pair.a, "inject": args.inject_a or pair.a.get("inject", [])},
-            {**pair.b, "inject": args.inject_b or pair.b.get("inject", [])},
-        )
+    base, sides = _job_from_args(args), {"a": {}, "b": {}}
+    if isinstance(base, PairSpec):
+        base, sides = base.base, {"a": dict(base.a), "b": dict(base.b)}
+    for side in ("a", "b"):
+        sides[side].update(_side_keys(base, getattr(args, side), f"--{side}"))
+        mutants = getattr(args, f"inject_{side}")
+        if mutants:
+            sides[side]["inject"] = mutants
+    pair = PairSpec(base, sides["a"], sides["b"], source=str(args.spec or "the command line"))
     policies = _with_spec(_policies(args.policy), args.spec)
-    with OutDir.open(args.out):  # the rerun and the report below are part of this command
-        return _pair(args, pair, policies)
+    return _pair(args, pair, policies)
+
+
+def _job_from_args(args: argparse.Namespace) -> JobSpec | PairSpec:
+    """The job of --spec FILE or --task NAME, with --set KEY=VALUE and the generic flags over it."""
+    if args.spec and args.task:
+        raise SpecError("give --spec FILE or --task NAME, not both")
+    if not args.spec and not args.task:
+        raise SpecError("give --spec FILE (a job or pair spec) or --task NAME (a preset: "
+                        "`parity tasks` lists them)")  # fmt: skip
+    changes = _key_values(args.set, "--set")
+    flags = {"world_size": args.world, "nnodes": args.nnodes, "steps": args.steps,
+             "seed": args.seed, "timeout_s": args.timeout}  # fmt: skip
+    changes.update({k: v for k, v in flags.items() if v is not None})
+    if args.task:
+        return JobSpec.from_dict({"task": args.task, **changes}, "the command line")
+    loaded = load_spec(args.spec)
+    if not changes:
+        return loaded
+    if isinstance(loaded, JobSpec):
+        return _change(loaded, changes, f"{args.spec} with --set")
+    changed = _change(loaded.base, changes, f"{args.spec} with --set")
+    return PairSpec(changed, loaded.a, loaded.b, loaded.source)
+
+
+def _change(spec: JobSpec, changes: dict, source: str) -> JobSpec:
+    try:
+        return spec.replace(**changes)
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None
+
+
+def _key_values(items: list[str], flag: str) -> dict:
+    """KEY=VALUE items, each VALUE read as YAML (numbers, true/false, null, [lists], {tables})."""
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise SpecError(f"{flag} expects KEY=VALUE, got {item[:200]!r}")
+        try:
+            out[key] = yaml.safe_load(text) if text else ""
+        except (yaml.YAMLError, ValueError) as e:  # ValueError: int() of 5000 digits
+            first = str(e).strip().splitlines()[0]
+            raise SpecError(f"{flag} {key}: cannot read {text[:100]!r}: {first}") from None
+    return out
+
+
+def _side_keys(base: JobSpec, items: list[str], flag: str) -> dict:
+    """--a/--b: KEY=VALUE items; a bare VALUE sets the preset's side key (--a legacy)."""
+    bare = [item for item in items or [] if "=" not in item]
+    keys = _key_values([item for item in items or [] if "=" in item], flag)
+    if len(bare) > 1:
+        raise SpecError(f"{flag} takes one bare value (the preset's side key), got {bare}")
+    if bare:
+        preset = base.preset
+        if preset is None or preset.side_key is None:
+            raise SpecError(f"{flag} {bare[0]}: task {base.task!r} has no side key; write "
+                            f"{flag} KEY=VALUE")  # fmt: skip
+        keys[preset.side_key] = bare[0]
+    return keys
 
 
 def _pair(args: argparse.Namespace, pair: PairSpec, policies: dict) -> int:
-    from parity.pair import run_pair, teardown_notes
+    """`parity pair` after its spec: parity.pair.run_pair does the work, this prints it."""
+    from parity.pair import run_pair
 
     result = run_pair(
         pair,
@@ -111,24 +153,15 @@ def _pair(args: argparse.Namespace, pair: PairSpec, policies: dict) -> int:
         allow_teardown_failure=args.allow_teardown_failure,
         noise_floor=args.noise_floor,
         in_process=args.in_process,
+        trace=args.trace,
     )
-    labels = ("A", "A' (A again)") if result.verdict == "nondeterministic" else ("A", "B")
-    notes = teardown_notes(result)
-    rerun = None
-    if args.trace and result.verdict == "diverged":
-        rerun = _trace_rerun(result, args.json)
-        if rerun is not None:
-            notes.append(rerun.line())
-    md = write_report(result.a.dir, result.b.dir, result.dir, policies, labels=labels, notes=notes)
-    html = md.with_name("report.html")
+    html = result.report.with_name("report.html")
     if not args.json:
         print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
-        print(f"report: {html}  {md}")
-    extra = {"out": str(result.dir), "report": str(html)}
-    extra["diagnosis"] = _diagnosis(result.a.dir, result.b.dir, result.comparison)
-    if rerun is not None:
-        extra["trace_rerun"] = rerun.to_dict()
-        extra["diagnosis"]["lines"].append(rerun.line())
+        print(f"report: {html}  {result.report}")
+    extra = {"out": str(result.dir), "report": str(html), "diagnosis": result.diagnosis_dict()}
+    if result.trace_rerun is not None:
+        extra["trace_rerun"] = result.trace_rerun.to_dict()
     if result.floor is not None:
         extra["noise_floor"] = result.floor.to_dict()
         if not result.floor.deterministic:
@@ -138,27 +171,6 @@ def _pair(args: argparse.Namespace, pair: PairSpec, policies: dict) -> int:
     if not result.teardown:
         return _report(result.comparison, args.json, extra)
     return _report_teardown(result, args.json, extra)
-
-
-def _trace_rerun(result, quiet: bool):
-    """A pair that diverged on the same batches without op traces: rerun both sides up to the
-    first divergent step with it traced (parity.trace_rerun), and put the traces in the run
-    folders, where the diagnosis and the report read them. None when there is nothing to do."""
-    from parity.diagnose import diagnose
-    from parity.trace_rerun import install_traces, trace_first_divergence
-
-    found = diagnose(result.a.dir, result.b.dir, result.comparison)
-    if found.kind != "same batches, numbers differ" or found.ops.status != "unavailable":
-        return None
-    if not quiet:
-        print(f"same batches, numbers differ from step {found.step}: rerunning both sides up to "
-              "it with every op traced (--no-trace: skip)", flush=True)  # fmt: skip
-    rerun = trace_first_divergence(
-        result.a.spec, result.b.spec, (result.a.dir, result.b.dir), found.step, result.dir
-    )
-    if not rerun.reason:
-        install_traces(rerun, {"a": result.a.dir, "b": result.b.dir})
-    return rerun
 
 
 def _report_nondeterministic(result, as_json: bool, extra: dict) -> int:
@@ -275,7 +287,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"runs: {result.a_dir}  {result.b_dir}")
         print(f"report: {html}  {result.report}")
     extra = {"a_rev": result.a_rev, "b_rev": result.b_rev, "out": str(out), "report": str(html)}
-    extra["diagnosis"] = _diagnosis(result.a_dir, result.b_dir, result.comparison)
+    extra["diagnosis"] = (
+        result.diagnosis.to_dict()
+        if result.diagnosis is not None
+        else _diagnosis(result.a_dir, result.b_dir, result.comparison)
+    )
     if not result.teardown:
         return _report(result.comparison, args.json, extra)
     return _report_teardown(result, args.json, extra)
@@ -326,19 +342,11 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
 def _run_onpolicy_job(args: argparse.Namespace) -> Path:
     from parity.runs import run_job
 
-    overrides = {
-        "logprob_chain": True, "batch_invariant": args.batch_invariant,
-        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens,
-    }  # fmt: skip
-    spec = JobSpec(
-        task="charcount-ppo", trainer=args.trainer, world_size=args.world, steps=args.steps,
-        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-        seed=args.seed, model=args.model, timeout_s=args.timeout, overrides=overrides,
-        inject=args.inject,
-    )  # fmt: skip
+    spec = _job_from_args(args)
+    if isinstance(spec, PairSpec):
+        raise SpecError(f"{args.spec}: onpolicy runs one job, not an [a]/[b] pair")
     out = Path(args.out)
-    run_job(spec, out, label=f"onpolicy {args.trainer}")
+    run_job(spec, out, label=f"onpolicy {spec.variant or spec.task}")
     return out
 
 
@@ -363,12 +371,32 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from parity.inject import load_catalogue
+    """Every mutant of the registered catalogues (or of --catalogue MODULE)."""
+    from parity.tasks import MUTANT_GROUP, catalogues, load_catalogue
 
-    catalogue = load_catalogue(args.catalogue)
-    width = max(map(len, catalogue), default=0)
-    for name, (description, _) in sorted(catalogue.items()):
-        print(f"{name:<{width}}  {description}")
+    modules = [args.catalogue] if args.catalogue else sorted(catalogues().values())
+    rows = [(name, text, mod) for mod in modules for name, (text, _) in load_catalogue(mod).items()]
+    if not rows:
+        print(f"no mutants: no installed package registers a catalogue in {MUTANT_GROUP}")
+    width = max((len(name) for name, _, _ in rows), default=0)
+    for name, text, mod in sorted(rows):
+        print(f"{name:<{width}}  {text}" + (f"  [{mod}]" if len(modules) > 1 else ""))
+    return 0
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    """The presets installed packages register, each with its own keys and their defaults."""
+    from parity.tasks import TASK_GROUP, names, registered
+
+    presets = registered()
+    print("custom  run the spec's command (every job's keys only)")
+    for name in names()[1:]:
+        task = presets[name]
+        keys = ", ".join(f"{k}={v!r}" for k, v in task.keys.items())
+        side = f"; --a/--b VALUE sets {task.side_key}" if task.side_key else ""
+        print(f"{name}  {task.summary} ({task.entry or 'registered'}){side}\n    keys: {keys}")
+    if len(names()) == 1:
+        print(f"(no presets: no installed package registers one in {TASK_GROUP})")
     return 0
 
 
@@ -382,21 +410,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="parity", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    pair = sub.add_parser("pair", help="run a matched pair under torchrun and compare")
-    pair.add_argument("--spec", type=Path, help="TOML/YAML job or pair spec")
-    pair.add_argument("--task", default="charcount-sft")
-    pair.add_argument("--a", default="legacy", help="trainer of side A")
-    pair.add_argument("--b", default="worker", help="trainer of side B")
-    pair.add_argument("--world", type=int, default=2)
-    pair.add_argument("--engine", default="fsdp2")
-    pair.add_argument("--steps", type=int, default=20)
-    pair.add_argument("--seed", type=int, default=0)
-    pair.add_argument("--global-batch-size", type=int, default=16)
-    pair.add_argument("--micro-batch-size", type=int, default=4)
-    pair.add_argument("--dynamic-bsz", action="store_true")
-    pair.add_argument("--max-tokens-per-rank", type=int, default=None)
-    pair.add_argument("--model", default=None, help="a local HF model folder")
-    pair.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    pair = sub.add_parser(
+        "pair",
+        help="run a matched pair under torchrun and compare",
+        description="Run side A and side B of a job (a spec file, or a preset with --set) one "
+        "after the other under torchrun, compare their metrics, write report.html/.md.",
+    )
+    _job_arguments(pair)
+    pair.add_argument(
+        "--a", action="append", default=[], metavar="KEY=VALUE",
+        help="a key of side A only (repeat it); a bare VALUE sets the preset's side key",
+    )  # fmt: skip
+    pair.add_argument("--b", action="append", default=[], metavar="KEY=VALUE",
+                      help="a key of side B only, as --a")  # fmt: skip
     pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--out", required=True)
@@ -464,25 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout prefill, rollout decode vs prefill; names the first link that breaks",
     )
     onpolicy.add_argument(
-        "run", nargs="?", help="a PPO run folder written with --logprob-chain (else one is run)"
+        "run", nargs="?", help="a run folder holding the chain (onpolicy/); else the job given "
+        "by --spec or --task is run first (a job that writes the chain)"
     )
     onpolicy.add_argument("--out", default="runs/onpolicy", help="run folder of the job it runs")
-    onpolicy.add_argument("--trainer", default="worker")
-    onpolicy.add_argument("--world", type=int, default=2)
-    onpolicy.add_argument("--steps", type=int, default=2)
-    onpolicy.add_argument("--seed", type=int, default=0)
-    onpolicy.add_argument("--global-batch-size", type=int, default=8)
-    onpolicy.add_argument("--micro-batch-size", type=int, default=1)
-    onpolicy.add_argument("--max-new-tokens", type=int, default=96)
-    onpolicy.add_argument("--temperature", type=float, default=1.0)
-    onpolicy.add_argument("--top-k", type=int, default=0)
-    onpolicy.add_argument("--top-p", type=float, default=1.0)
-    onpolicy.add_argument("--model", default=None, help="a local HF model folder")
-    onpolicy.add_argument(
-        "--batch-invariant", action="store_true", help="the job's batch-invariant forward"
-    )
-    onpolicy.add_argument("--inject", action="append", default=[], metavar="MUTANT")
-    onpolicy.add_argument("--timeout", type=float, default=600.0, help="seconds for the job")
+    _job_arguments(onpolicy)
     onpolicy.add_argument(
         "--max-ulp", type=int, default=0, help="float32 ULPs a link may differ by (default 0)"
     )
@@ -498,14 +510,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec.set_defaults(func=cmd_spec)
 
-    mutants = sub.add_parser("mutants", help="list the mutant catalogue")
-    mutants.add_argument("--catalogue", default="worker.mutants")
+    mutants = sub.add_parser("mutants", help="list the mutants installed packages register")
+    mutants.add_argument("--catalogue", default=None, metavar="MODULE",
+                         help="one catalogue module (default: every registered one)")  # fmt: skip
     mutants.set_defaults(func=cmd_mutants)
+
+    presets = sub.add_parser("tasks", help="list the task presets installed packages register")
+    presets.set_defaults(func=cmd_tasks)
 
     for s in (pair, compare, report, check, bis):
         s.add_argument("--policy", action="append", default=[], metavar="METRIC=POLICY")
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job to run: a spec file, or a preset with keys, and the flags every job has."""
+    parser.add_argument("--spec", type=Path, help="TOML/YAML job or pair spec (parity spec "
+                        "--example)")  # fmt: skip
+    parser.add_argument("--task", help="a preset instead of a spec (`parity tasks`)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a key of the job, both sides (repeat it; VALUE read as YAML: 3, true, [a, b])",
+    )  # fmt: skip
+    parser.add_argument("--world", type=int, default=None, help="world_size: ranks in all")
+    parser.add_argument("--nnodes", type=int, default=None, help="torchrun nodes (this host)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
 
 
 def _run_read_arguments(parser: argparse.ArgumentParser) -> None:
@@ -595,7 +627,7 @@ def _run(args: argparse.Namespace) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return code
-    except (SpecError, MetricsError, ValueError) as e:
+    except InputError as e:  # the one class of bad input (parity.errors)
         return _bad_input(str(e))
     except LaunchError as e:
         refused = e.result.refused_arguments

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from parity.errors import PolicyError
 from parity.readers import (
     IncompleteRunError,
     MetricsError,
@@ -26,7 +27,7 @@ from parity.readers import (
     read_summary,
     skipped_count,
 )
-from parity.readers.frame import FLOAT64, coarser
+from parity.readers.frame import FLOAT64, MAX_STEP, coarser
 
 __all__ = [
     "JUDGED_COUNTERS",
@@ -38,6 +39,7 @@ __all__ = [
     "MetricResults",
     "MetricsError",
     "Policy",
+    "PolicyError",
     "SkippedRecordsError",
     "StepRange",
     "compare_frames",
@@ -260,16 +262,22 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise ValueError(f"bad policy kind {self.kind!r}")
-        if isinstance(self.ulp, bool) or not isinstance(self.ulp, int) or self.ulp < 0:
-            raise ValueError(f"bad policy: ulp must be a non-negative integer, got {self.ulp!r}")
+            raise PolicyError(f"bad policy kind {self.kind!r}")
+        if (
+            isinstance(self.ulp, bool)
+            or not isinstance(self.ulp, int)
+            or not 0 <= self.ulp <= ULP_MAX
+        ):
+            raise PolicyError(
+                f"bad policy: ulp must be a non-negative integer up to {ULP_MAX}, got {self.ulp!r}"
+            )
         for name in ("rtol", "atol"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"bad policy: {name} must be finite and >= 0, got {v!r}")
+                raise PolicyError(f"bad policy: {name} must be finite and >= 0, got {v!r}")
         object.__setattr__(self, "pieces", tuple(self.pieces))
         if (self.kind == "steps") != bool(self.pieces):
-            raise ValueError("bad policy: pieces go with kind 'steps', and only with it")
+            raise PolicyError("bad policy: pieces go with kind 'steps', and only with it")
         if self.pieces:
             _check_pieces(self.pieces)
 
@@ -296,16 +304,16 @@ class Policy:
                 continue
             m = _RANGE.fullmatch(steps)
             if not m or (m["one"] is None and not (m["lo"] or m["hi"])):
-                raise ValueError(
+                raise PolicyError(
                     f"bad policy {text!r}: step range {steps.strip()!r} is not N, A-B, A- or -B"
                 )
             lo, hi = (m["one"], m["one"]) if m["one"] is not None else (m["lo"], m["hi"])
-            pieces.append(StepRange(int(lo) if lo else None, int(hi) if hi else None, policy))
+            pieces.append(StepRange(_bound(lo, text), _bound(hi, text), policy))
         try:
             return cls("steps", pieces=tuple(pieces))
-        except ValueError as e:
+        except PolicyError as e:
             why = str(e).removeprefix("bad policy: ")
-            raise ValueError(f"bad policy {text!r}: {why}") from None
+            raise PolicyError(f"bad policy {text!r}: {why}") from None
 
     def piece_at(self, step: int) -> str:
         """The policy in force at ``step``, as text (a step policy's piece, with its range)."""
@@ -337,26 +345,37 @@ def _parse_simple(piece: str, text: str) -> Policy:
                 return Policy("close", rtol=parts[0], atol=parts[1] if len(parts) == 2 else 0.0)
     except ValueError:
         pass
-    raise ValueError(
+    raise PolicyError(
         f"bad policy {text!r}: expected exact, ulp:K, close:RTOL,ATOL or ignore, "
         "optionally with @STEPS pieces (exact@-5,ulp:4@6-)"
     )
 
 
+def _bound(digits: str | None, text: str) -> int | None:
+    """A step range's bound (None where left open); one past MAX_STEP is refused before int()
+    reads it, which would take thousands of digits for a ValueError of its own."""
+    if not digits:
+        return None
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP:
+        raise PolicyError(f"bad policy {text!r}: a step range bound is past step {MAX_STEP}")
+    return int(digits)
+
+
 def _check_pieces(pieces: tuple[StepRange, ...]) -> None:
     """Simple policies, at most one fallback, sane and disjoint ranges."""
     if any(p.policy.kind == "steps" for p in pieces):
-        raise ValueError("bad policy: a piece of a step policy cannot be a step policy")
+        raise PolicyError("bad policy: a piece of a step policy cannot be a step policy")
     ranged = [p for p in pieces if p.first is not None or p.last is not None]
     if len(pieces) - len(ranged) > 1:
-        raise ValueError("bad policy: more than one piece without a step range")
+        raise PolicyError("bad policy: more than one piece without a step range")
     for p in ranged:
         if p.first is not None and p.last is not None and p.first > p.last:
-            raise ValueError(f"bad policy: empty step range in {p}")
+            raise PolicyError(f"bad policy: empty step range in {p}")
     ranged.sort(key=lambda p: -1 if p.first is None else p.first)
     for prev, cur in zip(ranged, ranged[1:], strict=False):
         if prev.last is None or cur.first is None or cur.first <= prev.last:
-            raise ValueError(f"bad policy: step ranges of {prev} and {cur} overlap")
+            raise PolicyError(f"bad policy: step ranges of {prev} and {cur} overlap")
 
 
 def _piece_index(pieces: tuple[StepRange, ...], steps: np.ndarray) -> np.ndarray:
@@ -407,7 +426,7 @@ def _noise_mask(names: list[str]) -> np.ndarray:
     return out
 
 
-def _resolve(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
+def resolve_policy(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
     """Exact name first, then the first matching glob in mapping order, then the default."""
     chosen = policies.get(metric)
     if chosen is None:
@@ -426,7 +445,7 @@ _GLOB = re.compile(r"[*?\[]")
 def _resolve_all(
     names: list[str], policies: Mapping[str, Policy | str]
 ) -> tuple[np.ndarray, list[Policy]]:
-    """_resolve of every name, as an index per name into a list of the distinct policies: a
+    """resolve_policy of every name, as an index per name into a list of the distinct policies: a
     policy text is parsed once, and a glob is matched only against names no earlier rule took."""
     distinct: list[Policy] = [_EXACT, _IGNORE]
     which = np.zeros(len(names), dtype=np.int64)
@@ -502,13 +521,17 @@ def printable(text: str) -> str:
     return text if _CONTROL.search(text) is None else _CONTROL.sub(_escape, text)
 
 
-def _json(v: Any) -> Any:
+def json_value(v: Any) -> Any:
+    """``v`` as strict JSON takes it: numpy scalars as Python ones, a non-finite float as its
+    repr ('nan', 'inf'), through lists and dicts."""
     if isinstance(v, (float, np.floating)):
         return float(v) if math.isfinite(v) else repr(float(v))
     if isinstance(v, np.integer):
         return int(v)
+    if isinstance(v, dict):
+        return {k: json_value(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_json(x) for x in v]
+        return [json_value(x) for x in v]
     return v
 
 
@@ -708,11 +731,11 @@ class Comparison:
             "verdict": self.verdict,
             "a": self.a_source,
             "b": self.b_source,
-            "steps_only_in_a": _json(self.steps_only_in_a),
-            "steps_only_in_b": _json(self.steps_only_in_b),
+            "steps_only_in_a": json_value(self.steps_only_in_a),
+            "steps_only_in_b": json_value(self.steps_only_in_b),
             "reads": self.reads,
             "metrics": {
-                name: {k: _json(getattr(m, k)) for k in _RESULT_FIELDS}
+                name: {k: json_value(getattr(m, k)) for k in _RESULT_FIELDS}
                 for name, m in self.metrics.items()
             },
         }
@@ -1045,7 +1068,7 @@ def compare_frames(
                 + "; no verdict from a partial read (--allow-skipped to compare anyway)"
             )
         if not frame.index.is_unique or not frame.columns.is_unique:
-            raise ValueError(f"frame {side}: steps and metric names must be unique")
+            raise MetricsError(f"frame {side}: steps and metric names must be unique")
     policies = policies or {}
     for p in policies.values():  # bad policy text fails early, even if it matches nothing
         if not isinstance(p, Policy):

@@ -28,7 +28,6 @@ one-line error naming the file and line, kept in ``errors`` so the verdict still
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from parity.compare import Comparison, compare_frames, printable
+from parity.compare import Comparison, compare_frames, json_value, printable
 from parity.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
 
@@ -178,16 +177,6 @@ def read_fingerprints(path: str | os.PathLike[str]) -> dict[int, dict[str, dict[
 # --- results ------------------------------------------------------------------------------------
 
 
-def _json(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return repr(v)
-    if isinstance(v, dict):
-        return {k: _json(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_json(x) for x in v]
-    return v
-
-
 def _ranks(ranks: Iterable[int]) -> str:
     ranks = list(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -320,7 +309,7 @@ class RankAgreement:
     detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return _json(
+        return json_value(
             {
                 "run_dir": self.run_dir,
                 "status": self.status,
@@ -521,7 +510,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (json.dumps(..., allow_nan=False))."""
-        return _json(
+        return json_value(
             {
                 "kind": self.kind,
                 "step": self.step,

@@ -1,38 +1,32 @@
 """Run a job with named mutants applied first, in every rank: the harness's one way to break code.
 
-    torchrun ... -m parity.inject --mutants NAME[,NAME] [--catalogue MODULE] -m worker.sft ARGS...
+    torchrun ... -m parity.inject --mutants NAME[,NAME] [--catalogue MODULE] -m pkg.train ARGS...
 
 A catalogue is any importable module with `MUTANTS = {name: (description, apply)}`, where
-`apply()` monkeypatches the code under test. Ours is `worker.mutants`; other stacks bring theirs.
+`apply()` monkeypatches the code under test. A package registers its catalogues in the
+``llm_parity.mutants`` entry points (parity.tasks), and a name is looked up in all of them; the
+reference subject's is `worker.mutants`. ``--catalogue`` names one module instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import runpy
 import sys
-from collections.abc import Callable
 
-DEFAULT_CATALOGUE = "worker.mutants"
+from parity.tasks import TaskError, find_mutants
 
 
-def load_catalogue(module: str = DEFAULT_CATALOGUE) -> dict[str, tuple[str, Callable[[], None]]]:
+def apply_mutants(names: list[str], module: str | None = None) -> set[str]:
+    """Apply each named mutant (an unknown one: SystemExit with the known ones); the catalogue
+    modules they came from."""
     try:
-        catalogue = importlib.import_module(module).MUTANTS
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"error: mutant catalogue {module!r} not loadable: {e}") from None
-    return dict(catalogue)
-
-
-def apply_mutants(names: list[str], module: str = DEFAULT_CATALOGUE) -> None:
-    catalogue = load_catalogue(module)
-    unknown = [n for n in names if n not in catalogue]
-    if unknown:
-        known = ", ".join(sorted(catalogue))
-        raise SystemExit(f"error: unknown mutant {unknown[0]!r} in {module}; known: {known}")
+        found = find_mutants(names, module)
+    except TaskError as e:
+        raise SystemExit(f"error: {e}") from None
     for name in names:
-        catalogue[name][1]()
+        found[name][1]()
+    return {home for home, _ in found.values()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     split = argv.index("-m")
     parser = argparse.ArgumentParser(prog="python -m parity.inject")
     parser.add_argument("--mutants", default="")
-    parser.add_argument("--catalogue", default=DEFAULT_CATALOGUE)
+    parser.add_argument("--catalogue", default=None, help="default: every registered catalogue")
     args = parser.parse_args(argv[:split])
     target, rest = argv[split + 1], argv[split + 2 :]
     apply_mutants([n for n in args.mutants.split(",") if n], args.catalogue)

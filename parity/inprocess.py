@@ -258,7 +258,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[st
     split = argv.index("-m")
     parser = argparse.ArgumentParser(prog="python -m parity.inprocess", usage=usage)
     parser.add_argument("--mutants", default="")
-    parser.add_argument("--catalogue", default="worker.mutants")
+    parser.add_argument("--catalogue", default=None)  # default: every registered catalogue
     parser.add_argument("--timing", type=Path, default=None)
     opts = parser.parse_args(argv[:split])
     sides: list[tuple[str, list[str]]] = []
@@ -295,21 +295,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str]:
-    """(module, args, mutants, catalogue) of a side, `-m parity.inject ... -m M ARGS` unwrapped."""
-    from parity.inject import DEFAULT_CATALOGUE
-
+def _unwrap_inject(
+    module: str, args: list[str]
+) -> tuple[str, list[str], list[str], str | None]:
+    """(module, args, mutants, catalogue) of a side, `-m parity.inject ... -m M ARGS` unwrapped
+    (catalogue None: the mutants are looked up in every registered one)."""
     if module != "parity.inject":
-        return module, args, [], DEFAULT_CATALOGUE
+        return module, args, [], None
     if "-m" not in args or args.index("-m") + 1 >= len(args):
         raise SystemExit(f"error: parity.inject needs -m MODULE; got {args}")
     split = args.index("-m")
     parser = argparse.ArgumentParser(prog="python -m parity.inject")
     parser.add_argument("--mutants", default="")
-    parser.add_argument("--catalogue", default=DEFAULT_CATALOGUE)
+    parser.add_argument("--catalogue", default=None)
     opts = parser.parse_args(args[:split])
     mutants = [n for n in opts.mutants.split(",") if n]
     return args[split + 1], args[split + 2 :], mutants, opts.catalogue
+
+
+def _catalogues_of(mutants: list[str], catalogue: str | None) -> set[str]:
+    """The catalogue modules the mutants come from (an unknown one: SystemExit, as the job's)."""
+    from parity.tasks import TaskError, find_mutants
+
+    try:
+        return {home for home, _ in find_mutants(mutants, catalogue).values()} if mutants else set()
+    except TaskError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _is_code(value: Any) -> bool:
@@ -410,9 +421,8 @@ class SideRunner:
         from parity.inject import apply_mutants
 
         module, args, mutants, catalogue = _unwrap_inject(module, args)
-        self.packages |= {module.partition(".")[0]}
-        if mutants:
-            self.packages.add(catalogue.partition(".")[0])
+        homes = _catalogues_of(mutants, catalogue)
+        self.packages |= {name.partition(".")[0] for name in (module, *homes)}
         if self.sides:
             _purge(self.packages, self.keep)
             self.baseline.restore()
@@ -431,7 +441,7 @@ class SideRunner:
         gc.collect()
         _barrier()
         seconds = time.monotonic() - start
-        undone = patches.undo(catalogue) if patches is not None else []
+        undone = [name for home in sorted(homes) for name in patches.undo(home)] if patches else []
         return {"module": module, "args": args, "mutants": mutants, "seconds": seconds,
                 "undone": undone}  # fmt: skip
 
@@ -449,7 +459,8 @@ def finish_distributed() -> None:
 def _run(argv: list[str]) -> int:
     opts, sides = _parse(argv)
     if opts.mutants:  # applies to every side: wrap each in parity.inject
-        wrap = ["--mutants", opts.mutants, "--catalogue", opts.catalogue]
+        wrap = ["--mutants", opts.mutants]
+        wrap += ["--catalogue", opts.catalogue] if opts.catalogue else []
         sides = [("parity.inject", [*wrap, "-m", m, *a]) for m, a in sides]
     runner = SideRunner()
     timings = [runner.run(module, args) for module, args in sides]

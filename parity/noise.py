@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, Policy, _json, _resolve, compare_frames, printable
+from parity.compare import Comparison, Policy, compare_frames, json_value, printable, resolve_policy
 
 __all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies"]
 
@@ -31,10 +31,8 @@ def floor_policies(
     all; a tolerance would hide exactly the noise it is meant to measure.
     """
     policies = policies or {}
-    return {
-        name: Policy("ignore") if _resolve(name, policies).kind == "ignore" else Policy("exact")
-        for name in metrics
-    }
+    ignored = {name for name in metrics if resolve_policy(name, policies).kind == "ignore"}
+    return {name: Policy("ignore" if name in ignored else "exact") for name in metrics}
 
 
 @dataclass
@@ -101,7 +99,7 @@ class NoiseFloor:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: deterministic, the floor per metric, and where A and A' ran."""
-        floor = {n: {k: _json(v) for k, v in f.items()} for n, f in self.metrics().items()}
+        floor = {n: {k: json_value(v) for k, v in f.items()} for n, f in self.metrics().items()}
         return {
             "deterministic": self.deterministic,
             "floor_is_zero": self.deterministic,

@@ -19,6 +19,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,8 +69,8 @@ def load_chain(run_dir: str | Path) -> Chain:
     files = sorted(folder.glob("step*-rank*.safetensors")) if folder.is_dir() else []
     if not files:
         raise ChainError(
-            f"{folder}: no chain files; run the PPO job with --logprob-chain "
-            "(or `parity onpolicy --out DIR` to run one)"
+            f"{folder}: no chain files; run the job with its chain written (charcount-ppo: "
+            "`parity onpolicy --task charcount-ppo --set 'overrides={logprob_chain: true}'`)"
         )
     found: dict[int, dict[int, Path]] = {}
     for f in files:
@@ -81,7 +82,7 @@ def load_chain(run_dir: str | Path) -> Chain:
         for rank, path in sorted(found[step].items()):
             try:
                 with safe_open(str(path), "np") as h:
-                    file_meta = json.loads((h.metadata() or {})["meta"])
+                    file_meta = _meta((h.metadata() or {})["meta"])
                     tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
             except Exception as e:  # a cut or foreign file: say which
                 raise ChainError(f"{path}: not a chain file ({type(e).__name__}: {e})") from None
@@ -101,6 +102,23 @@ def load_chain(run_dir: str | Path) -> Chain:
     return Chain(folder, sequences, meta, steps)
 
 
+def _meta(text: str) -> dict[str, Any]:
+    """A chain file's meta: a JSON object whose counts are integers, or the file is none of
+    worker/onpolicy.py's (a ValueError, which load_chain names as such)."""
+    meta = json.loads(text)
+    if not isinstance(meta, dict):
+        raise ValueError(f"its meta is a JSON {type(meta).__name__}, not an object")
+    if "sequences" not in meta:
+        raise ValueError("its meta has no 'sequences'")
+    for key, least in (("sequences", 0), ("world", 1)):
+        v = meta.get(key, least)
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"its meta's {key!r} is {v!r}, not an integer >= {least}")
+    if not isinstance(meta.get("layers", []), list):
+        raise ValueError("its meta's 'layers' is no list")
+    return meta
+
+
 def _sequences(path: Path, step: int, rank: int, meta: dict, tensors: dict) -> list[Sequence]:
     out = []
     for i in range(int(meta["sequences"])):
@@ -114,6 +132,8 @@ def _sequences(path: Path, step: int, rank: int, meta: dict, tensors: dict) -> l
             key = f"layers/{kind}/{i}"
             if key in tensors:
                 values[f"layers:{kind}"] = tensors[key]
+        if any(np.ndim(v) == 0 for v in values.values()):
+            raise ChainError(f"{path}: sequence {i}: a kind holds a scalar, not one per token")
         lengths = {len(v) for v in values.values()}
         if len(lengths) != 1:
             raise ChainError(f"{path}: sequence {i}: the kinds differ in length {sorted(lengths)}")

@@ -24,13 +24,14 @@ import threading
 import time
 from pathlib import Path
 
+from parity.errors import InputError
 from parity.files import write_json_atomic
 
 LEDGER_DIR = ".parity-out"
 _LEDGER, _LOCK, _HOLDER = "made.json", "lock", "holder.json"
 
 
-class OutputError(ValueError):
+class OutputError(InputError):
     """An output path the harness may not write: not its own, or in use; one line."""
 
 
@@ -173,10 +174,10 @@ class OutDir:
                     self._record(name)
         write_json_atomic(self.meta / _LEDGER, self._made)
 
-    @staticmethod
-    def _check_name(name: str) -> None:
+    def _check_name(self, name: str) -> None:
+        """A name of its own in the folder: an ``--out`` of ``/`` or ``X/.parity-out`` is none."""
         if not name or "/" in name or name in (".", "..", LEDGER_DIR):
-            raise ValueError(f"not an entry name: {name!r}")
+            raise OutputError(f"{self.root}: not an entry name: {name!r}; choose another --out")
 
 
 def _foreign(path: Path) -> str:

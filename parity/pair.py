@@ -1,19 +1,29 @@
 """A matched pair: both sides run (one after the other, in one launch, or A twice first for the
-noise floor), compared, and summarized (the orchestration layer, over parity.runs).
+noise floor), compared, diagnosed once, rerun with the first divergent step's ops traced where
+that names the first differing op, summarized and reported (the orchestration layer, over
+parity.runs).
 
-A pair folder holds a/, b/ (a-repeat/ with the noise floor) and summary.json / summary.md.
+`run_pair` does all of it, as `parity pair` does; its steps are public so that a caller with its
+own runs (the pytest plugin's cached and pooled ones) goes through the same ones:
+`compare_pair` (or `nondeterministic_pair`), then `finish_pair` (`PairResult.diagnose`,
+`trace_divergence`, `write_summary`, `write_pair_report`).
+
+A pair folder holds a/, b/ (a-repeat/ with the noise floor, trace-a/ and trace-b/ after an op-trace
+rerun), summary.json / summary.md and report.md / report.html.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity import runs
-from parity.compare import Comparison, Policy, compare_frames
-from parity.diagnose import diagnose
+from parity.compare import Comparison, Policy, compare_frames, printable
+from parity.diagnose import Diagnosis, diagnose
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
 from parity.launch import LaunchResult
 from parity.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
@@ -25,6 +35,10 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from parity.revisions import CheckResult
+    from parity.trace_rerun import TraceRerun
+
+#: the diagnosis kind after which an op-trace rerun can name the first differing op
+SAME_BATCHES = "same batches, numbers differ"
 
 
 @dataclass
@@ -35,6 +49,9 @@ class PairResult:
     dir: Path
     allow_teardown_failure: bool = False
     floor: NoiseFloor | None = None  # A vs its repeat A', with noise_floor; then b is A'
+    diagnosis: Diagnosis | None = None  # parity.diagnose of a vs b: see diagnose()
+    trace_rerun: TraceRerun | None = None  # the op-trace rerun, when one was run
+    report: Path | None = None  # report.md (report.html beside it), when one was written
 
     @property
     def teardown(self) -> list[tuple[str, LaunchResult]]:
@@ -63,6 +80,29 @@ class PairResult:
         """One line naming each side's teardown failure, or '' when there was none."""
         named = [(f"side {side.upper()}", result) for side, result in self.teardown]
         return teardown_line(named, self.comparison)
+
+    def diagnose(self) -> Diagnosis:
+        """The diagnosis of the two run folders (parity.diagnose), made on first use and kept:
+        the summary, the report, the op-trace rerun and the CLI all read this one."""
+        if self.diagnosis is None:
+            self.diagnosis = diagnose(self.a.dir, self.b.dir, self.comparison)
+        return self.diagnosis
+
+    def diagnosis_dict(self) -> dict[str, Any]:
+        """The diagnosis as JSON (summary.json, `parity pair --json`), the rerun's line last."""
+        found = self.diagnose().to_dict()
+        if self.trace_rerun is not None:
+            found["lines"].append(printable(self.trace_rerun.line()))
+        return found
+
+    def labels(self) -> tuple[str, str]:
+        """How the report names the two sides (B is A's repeat when A was not deterministic)."""
+        return ("A", "A' (A again)") if self.verdict == NONDETERMINISTIC else ("A", "B")
+
+    def notes(self) -> list[str]:
+        """The report's notes: the teardown failure, the op-trace rerun's line."""
+        rerun = [self.trace_rerun.line()] if self.trace_rerun is not None else []
+        return teardown_notes(self) + rerun
 
 
 def teardown_verdict(
@@ -96,8 +136,16 @@ def teardown_notes(result: PairResult | CheckResult) -> list[str]:
 
 
 def side_label(side: str, spec: JobSpec) -> str:
-    """How progress lines and errors name a side: `side b`, with its trainer for a preset."""
-    return f"side {side}" if spec.task == "custom" else f"side {side} ({spec.trainer})"
+    """How progress lines and errors name a side: `side b`, with its variant for a preset
+    (`side b (worker)`)."""
+    return f"side {side} ({spec.variant})" if spec.variant else f"side {side}"
+
+
+def floor_of(a: Run, repeat: Run, policies: Mapping[str, Policy | str] | None = None) -> NoiseFloor:
+    """The noise floor of two runs of one spec (A and its repeat A'), naming both."""
+    floor = floor_from_frames(a.metrics, repeat.metrics, policies)
+    floor.a_dir, floor.repeat_dir, floor.runs = a.dir, repeat.dir, (a, repeat)
+    return floor
 
 
 def measure_floor(
@@ -115,21 +163,46 @@ def measure_floor(
     if a is None:
         a = runs.run_job(spec, out / "a", label=side_label("a", spec))
     repeat = runs.run_job(spec, out / "a-repeat", label=side_label("a'", spec))
-    floor = floor_from_frames(a.metrics, repeat.metrics, policies)
-    floor.a_dir, floor.repeat_dir, floor.runs = a.dir, repeat.dir, (a, repeat)
-    return a, repeat, floor
+    return a, repeat, floor_of(a, repeat, policies)
+
+
+def compare_pair(
+    a: Run,
+    b: Run,
+    out: Path,
+    policies: Mapping[str, Policy | str] | None = None,
+    *,
+    allow_teardown_failure: bool = False,
+    floor: NoiseFloor | None = None,
+) -> PairResult:
+    """The two runs of a pair compared under ``policies``: the one place a pair's result is
+    made (run_pair's and the pytest plugin's). ``out``: the pair's folder."""
+    comparison = compare_frames(a.metrics, b.metrics, policies)
+    return PairResult(a, b, comparison, Path(out), allow_teardown_failure, floor=floor)
+
+
+def nondeterministic_pair(
+    floor: NoiseFloor, out: Path, *, allow_teardown_failure: bool = False
+) -> PairResult:
+    """The result of a pair whose side A, run twice, differed: A against its repeat A' (B is
+    not run; its verdict would say nothing), verdict "nondeterministic"."""
+    a, repeat = floor.runs
+    return PairResult(a, repeat, floor.comparison, Path(out), allow_teardown_failure, floor=floor)
 
 
 def run_pair(
     pair: PairSpec,
     out: Path,
-    policies: dict | None = None,
+    policies: Mapping[str, Policy | str] | None = None,
     in_process: bool = False,
     *,
     allow_teardown_failure: bool = False,
     noise_floor: bool = False,
+    trace: bool = True,
+    report: bool = True,
 ) -> PairResult:
-    """Both sides one after the other (2 cores: concurrency would only add noise), then compare.
+    """Everything `parity pair` does: both sides one after the other (2 cores: concurrency would
+    only add noise), compared, diagnosed, rerun traced where that helps, summarized, reported.
 
     A side that crashes before its metrics are complete raises LaunchError. One that fails only
     at teardown is still compared; ``result.verdict`` is then "failed" unless
@@ -140,14 +213,19 @@ def run_pair(
 
     noise_floor: run A twice first (A, then A' in out/a-repeat); if they differ, B is not run and
     the result compares A with A' (``result.b`` is A'), verdict "nondeterministic".
+
+    trace: a pair that diverged on the same batches without op traces is rerun up to its first
+    divergent step with every op of it traced (``result.trace_rerun``); the diagnosis then
+    names the first differing op. report: write report.md / report.html (``result.report``).
     """
     out = Path(out).resolve()
-    spec_a, spec_b = pair.sides()
     with OutDir.open(out) as held:
         held.claim(*PAIR_ENTRIES)  # before anything runs: refused if the user's is in the way
-        return _run_pair(
-            pair, spec_a, spec_b, out, policies, in_process, allow_teardown_failure, noise_floor
-        )
+        result = run_sides(
+            pair, out, policies, in_process,
+            allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
+        )  # fmt: skip
+        return finish_pair(result, trace=trace, report=report)
 
 
 #: what a pair writes in its folder: the sides' run and launch folders, the noise floor's
@@ -159,25 +237,24 @@ PAIR_ENTRIES = tuple(
 ) + ("in-process", "summary.json", "summary.md", "report.md", "report.html")
 
 
-def _run_pair(
+def run_sides(
     pair: PairSpec,
-    spec_a: JobSpec,
-    spec_b: JobSpec,
     out: Path,
-    policies: dict | None,
-    in_process: bool,
-    allow_teardown_failure: bool,
-    noise_floor: bool,
+    policies: Mapping[str, Policy | str] | None = None,
+    in_process: bool = False,
+    *,
+    allow_teardown_failure: bool = False,
+    noise_floor: bool = False,
 ) -> PairResult:
+    """Run the pair's sides into out/a and out/b (A twice first with noise_floor) and compare
+    them; nothing is written beside the runs (finish_pair does that)."""
+    out = Path(out).resolve()
+    spec_a, spec_b = pair.sides()
     floor = a = None
     if noise_floor:
-        a, repeat, floor = measure_floor(spec_a, out, policies)
+        a, _, floor = measure_floor(spec_a, out, policies)
         if not floor.deterministic:
-            result = PairResult(
-                a, repeat, floor.comparison, out, allow_teardown_failure, floor=floor
-            )
-            write_summary(result)
-            return result
+            return nondeterministic_pair(floor, out, allow_teardown_failure=allow_teardown_failure)
     if in_process and a is None:  # with noise_floor, A has run (twice) already: B alone
         from parity.inprocess import run_pair_in_process
 
@@ -190,13 +267,69 @@ def _run_pair(
         b = runs.run_job(
             spec_b, out / "b", label=side_label("b", spec_b), allow_teardown_failure=True
         )
-    comparison = compare_frames(a.metrics, b.metrics, policies)
-    result = PairResult(a, b, comparison, out, allow_teardown_failure, floor=floor)
+    return compare_pair(
+        a, b, out, policies, allow_teardown_failure=allow_teardown_failure, floor=floor
+    )
+
+
+def finish_pair(
+    result: PairResult,
+    *,
+    trace: bool = True,
+    report: bool = True,
+    run_job: Callable[..., Any] | None = None,
+) -> PairResult:
+    """What follows the comparison: the diagnosis (once), the op-trace rerun (trace; its runs
+    by ``run_job``, default parity.runs.run_job), summary.json / summary.md after it, so that
+    they name the first differing op, and report.md / report.html (report)."""
+    result.diagnose()
+    if trace:
+        trace_divergence(result, run_job=run_job)
     write_summary(result)
+    if report:
+        write_pair_report(result)
     return result
 
 
+def trace_divergence(
+    result: PairResult, *, run_job: Callable[..., Any] | None = None
+) -> TraceRerun | None:
+    """A pair that diverged on the same batches without op traces: rerun both sides up to the
+    first divergent step with it traced (parity.trace_rerun), put the traces in the run folders
+    and the op comparison in the diagnosis. None (and nothing run) when there is nothing to
+    do; else the rerun, kept as ``result.trace_rerun``, whose reason says why it could not."""
+    from parity.trace_rerun import install_traces, trace_first_divergence
+
+    found = result.diagnose()
+    if result.verdict != "diverged" or found.kind != SAME_BATCHES:
+        return None
+    if found.ops.status != "unavailable":  # traced already: the diagnosis names the op
+        return None
+    print(f"{SAME_BATCHES} from step {found.step}: rerunning both sides up to it with every op "
+          "traced (--no-trace, trace=False: skip)", file=sys.stderr, flush=True)  # fmt: skip
+    a, b = result.a, result.b
+    rerun = trace_first_divergence(
+        a.spec, b.spec, (a.dir, b.dir), found.step, result.dir, run_job=run_job or runs.run_job
+    )
+    if not rerun.reason:
+        install_traces(rerun, {"a": a.dir, "b": b.dir})
+        _use_ops(found, rerun)
+    result.trace_rerun = rerun
+    return rerun
+
+
+def _use_ops(found: Diagnosis, rerun: TraceRerun) -> None:
+    """The diagnosis with the reruns' op comparison in place of the missing one (as
+    parity.diagnose reads it: the ops' errors among the diagnosis's)."""
+    stale = {printable(e) for e in found.ops.errors}
+    found.errors = [e for e in found.errors if e not in stale]
+    found.ops = rerun.ops
+    found.errors += map(printable, rerun.ops.errors)
+
+
 def write_summary(result: PairResult) -> None:
+    """summary.json (everything a script needs: verdicts, sides, diagnosis, teardown, noise
+    floor, op-trace rerun) and summary.md (the verdict and the table) in the pair's folder."""
     comparison = result.comparison.to_dict()
     sources = {side: comparison.pop(side) for side in ("a", "b")}  # the metrics files
     summary = {
@@ -205,11 +338,13 @@ def write_summary(result: PairResult) -> None:
         "b": {"spec": result.b.spec.shown(), "dir": str(result.b.dir), "metrics": sources["b"]},
         "seconds": {"a": result.a.launch.duration_s, "b": result.b.launch.duration_s},
         "mode": "in-process" if result.a.in_process else "separate",
-        "diagnosis": diagnose(result.a.dir, result.b.dir, result.comparison).to_dict(),
+        "diagnosis": result.diagnosis_dict(),
         "verdict": result.verdict,  # "failed" after a teardown failure (comparison's otherwise)
         "metrics_verdict": result.comparison.verdict,
         "teardown": [{"side": side, **r.to_dict()} for side, r in result.teardown],
     }
+    if result.trace_rerun is not None:
+        summary["trace_rerun"] = result.trace_rerun.to_dict()
     if result.floor is not None:
         summary["noise_floor"] = result.floor.to_dict()
     write_json_atomic(result.dir / "summary.json", summary)
@@ -220,3 +355,16 @@ def write_summary(result: PairResult) -> None:
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", table)), default=0))
     text = f"# parity: {result.verdict}\n{note}\n{fence}\n{table}\n{fence}\n"  # can't close it
     write_text_atomic(result.dir / "summary.md", text)
+
+
+def write_pair_report(result: PairResult) -> Path:
+    """report.md and report.html in the pair's folder, from the result's own comparison and
+    diagnosis (nothing read or compared again), with its notes; returns report.md's path,
+    also kept as ``result.report``."""
+    from parity.report import Report, side_of
+
+    sides = [side_of(run.metrics, run.dir, label)
+             for run, label in zip((result.a, result.b), result.labels(), strict=True)]  # fmt: skip
+    made = Report(result.comparison, *sides, result.notes(), result.diagnose())
+    result.report = made.write(result.dir)
+    return result.report

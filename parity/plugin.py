@@ -2,8 +2,8 @@
 
     @pytest.mark.parity
     def test_refactor_is_bitwise(parity_runner):
-        base = JobSpec(world_size=2, steps=20)
-        pair = parity_runner.pair(PairSpec.from_trainers(base, "legacy", "worker"))
+        base = JobSpec(command=["train.py", "--out", "{out}"], world_size=2, steps=20)
+        pair = parity_runner.pair(PairSpec(base, b={"env": {"USE_NEW_LOOP": "1"}}))
         assert_parity(pair.a, pair.b)
 
 Runs are cached for the session by spec, so tests that need the same job share one launch, and
@@ -167,7 +167,7 @@ class ParityRunner:
             return run
         if separate and key in self._separate:
             return self._separate[key]
-        folder, run = self._folder(f"{spec.task}-{spec.trainer}-w{spec.world_size}"), None
+        folder, run = self._folder(f"{spec.task}-{spec.variant}-w{spec.world_size}"), None
         if not separate and self.pools is not None:
             run = self.pools.run(spec, folder)
             folder = folder.with_name(folder.name + "-alone")  # the pool's attempt stays
@@ -190,16 +190,18 @@ class ParityRunner:
         in_process raises SpecError (one line) when the sides cannot share a process.
         noise_floor=True: A against a fresh repeat of A first (``result.floor``); if they differ,
         B is not run, ``result.b`` is the repeat and ``result.verdict`` "nondeterministic".
+        Compared as `parity pair` compares (parity.pair.compare_pair); ``result.diagnose()``
+        diagnoses. Nothing is written beside the cached runs (no summary, report or op-trace
+        rerun, which `parity pair` adds).
         """
-        from parity.pair import PairResult
+        from parity.pair import compare_pair, nondeterministic_pair
 
         spec_a, spec_b = pair.sides()
         floor = None
         if noise_floor:
             floor = self.floor(spec_a, policies)
             if not floor.deterministic:
-                a, again = floor.runs
-                return PairResult(a, again, floor.comparison, a.dir.parent, floor=floor)
+                return nondeterministic_pair(floor, floor.a_dir.parent)
         missing = [s for s in (spec_a, spec_b) if self._key(s) not in self._runs]
         if in_process and len(missing) == 2 and self.pools is None:
             result = self.pair_in_process(pair, policies)
@@ -215,34 +217,30 @@ class ParityRunner:
                 if reason:
                     raise SpecError(reason)
             a, b = self.job(spec_a), self.job(spec_b)
-        comparison = compare_frames(a.metrics, b.metrics, policies)
-        return PairResult(a, b, comparison, a.dir.parent, floor=floor)
+        return compare_pair(a, b, a.dir.parent, policies, floor=floor)
 
     def floor(self, spec: JobSpec, policies: Mapping[str, Policy | str] | None = None):
         """The noise floor of ``spec``: its (cached) run against a new launch, never cached,
         since a second run is the whole point. ``floor.runs`` holds the two Runs."""
-        from parity.noise import floor_from_frames
+        from parity.pair import floor_of
         from parity.runs import run_job
 
         a = self.job(spec, separate=True)
-        name = f"{spec.task}-{spec.trainer}-w{spec.world_size}-repeat"
-        again = run_job(spec, self._folder(name))
-        floor = floor_from_frames(a.metrics, again.metrics, policies)
-        floor.a_dir, floor.repeat_dir, floor.runs = a.dir, again.dir, (a, again)
-        return floor
+        name = f"{spec.task}-{spec.variant}-w{spec.world_size}-repeat"
+        return floor_of(a, run_job(spec, self._folder(name)), policies)
 
     def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
         """Both sides in one launch, always (cached as such): for tests of the mode itself."""
         from parity.inprocess import run_pair_in_process
-        from parity.pair import PairResult
+        from parity.pair import compare_pair
 
         spec_a, spec_b = pair.sides()
         key = (self._key(spec_a), self._key(spec_b))
         if key not in self._in_process:
-            name = f"{spec_a.task}-{spec_a.trainer}-vs-{spec_b.trainer}-w{spec_a.world_size}"
+            name = f"{spec_a.task}-{spec_a.variant}-vs-{spec_b.variant}-w{spec_a.world_size}"
             self._in_process[key] = run_pair_in_process(pair, self._folder(name + "-in-process"))
         a, b = self._in_process[key]
-        return PairResult(a, b, compare_frames(a.metrics, b.metrics, policies), a.dir.parent)
+        return compare_pair(a, b, a.dir.parent, policies)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ from parity.golden import read_manifest
 from parity.outdir import OutDir
 from parity.readers import MetricsError, present_mask, read_metrics
 
-__all__ = ["Report", "Side", "build_report", "load_side", "write_report"]
+__all__ = ["Report", "Side", "build_report", "load_side", "side_of", "write_report"]
 
 MAX_PLOTS = 30  # metrics plotted in the HTML, failures first: keeps the file and the time small
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
@@ -86,8 +86,13 @@ def load_side(
     manifest.json or launcher.log (so runs/x/metrics.jsonl finds runs/x/manifest.json).
 
     read: read_metrics' keywords (run, duplicates)."""
+    return side_of(read_metrics(Path(path), fmt, **read), path, label)
+
+
+def side_of(frame: pd.DataFrame, path: str | os.PathLike[str], label: str) -> Side:
+    """A side of metrics already read from ``path`` (a run folder or a metrics file), with what
+    its run folder says (manifest, commands): for a caller that compared them already."""
     p = Path(path)
-    frame = read_metrics(p, fmt, **read)
     run_dir: Path | None = p
     if not p.is_dir():
         near = [p.parent / "manifest.json", p.parent / "launcher.log"]

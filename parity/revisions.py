@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from parity.compare import Comparison, Policy
+from parity.diagnose import Diagnosis
+from parity.errors import InputError
 from parity.files import launch_dir
 from parity.launch import LaunchError, LaunchResult
 from parity.outdir import OutDir
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 
-class RevisionError(ValueError):
+class RevisionError(InputError):
     """A git command that failed (not a repo, unknown revision); the message is one line."""
 
 
@@ -55,6 +57,7 @@ class CheckResult:
     b_rev: str | None
     teardown: list[tuple[str, LaunchResult]] = field(default_factory=list)  # (side, launch)
     allow_teardown_failure: bool = False
+    diagnosis: Diagnosis | None = None  # parity.diagnose, computed once, for the report
 
     @property
     def verdict(self) -> str:
@@ -65,7 +68,8 @@ class CheckResult:
         return teardown_line(self.teardown, self.comparison)
 
 
-def _git(repo: Path, *args: str) -> str:
+def git(repo: Path, *args: str) -> str:
+    """``git -C repo ARGS`` output; RevisionError with git's own message when it fails."""
     try:
         out = subprocess.run(
             ["git", "-C", str(repo), *args],
@@ -84,7 +88,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def repo_root(path: Path) -> Path:
-    return Path(_git(path, "rev-parse", "--show-toplevel"))
+    return Path(git(path, "rev-parse", "--show-toplevel"))
 
 
 def resolve_revision(repo: Path, rev: str) -> str:
@@ -92,12 +96,12 @@ def resolve_revision(repo: Path, rev: str) -> str:
     unknown one in a shallow clone (CI's default checkout) says so: it may well exist, in the
     history the clone did not fetch."""
     try:
-        return _git(repo, "rev-parse", "--verify", "-q", "--end-of-options", f"{rev}^{{commit}}")
+        return git(repo, "rev-parse", "--verify", "-q", "--end-of-options", f"{rev}^{{commit}}")
     except RevisionError:
         pass
     hint = ""
     try:
-        if _git(repo, "rev-parse", "--is-shallow-repository") == "true":
+        if git(repo, "rev-parse", "--is-shallow-repository") == "true":
             hint = " (this is a shallow clone: fetch more history, e.g. git fetch --unshallow)"
     except RevisionError:
         pass
@@ -117,7 +121,7 @@ def worktree(repo: Path, commit: str) -> Iterator[Path]:
             tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-"))
             path = tmp / commit[:12]
             hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch it
-            _git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
+            git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
         yield path
     finally:  # cleanup errors must not hide the error that brought us here
         if tmp is not None:
@@ -172,7 +176,7 @@ def run_in_tree(
 
 
 def _dirty(repo: Path) -> bool:
-    return bool(_git(repo, "status", "--porcelain", "--untracked-files=no"))
+    return bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
 
 
 def check_revisions(
@@ -247,6 +251,7 @@ def _written(result: CheckResult, report: Report, out: Path) -> CheckResult:
     """``result`` once its report is written, with the teardown failures among its notes."""
     report.notes += teardown_notes(result)
     result.report = report.write(out)
+    result.diagnosis = report.diagnosis
     return result
 
 

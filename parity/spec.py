@@ -6,6 +6,7 @@ file, not deep inside a worker on rank 3.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from collections.abc import Mapping
@@ -23,60 +24,83 @@ except ModuleNotFoundError:  # Python 3.10
 
 import yaml
 
-TASKS = ("charcount-sft", "charcount-ppo", "custom")
+from parity import tasks
+from parity.errors import SpecError
+from parity.tasks import CUSTOM
+
 TABLES = ("a", "b", "policies", "read")  # a spec file's tables beside the job's keys
 #: how check and bisect read each side's run folder: read_metrics' and compare's options
 READ_OPTIONS = {"format": None, "run": None, "duplicates": "error", "allow_skipped": False}
-ENGINES = ("fsdp2", "ddp")
-VAL_LOSSES = ("fixed", "legacy")
-_MODULES = {"charcount-sft": "worker.sft", "charcount-ppo": "worker.ppo"}
 
 Scalar = str | int | float | bool
 
+__all__ = [
+    "JobSpec", "PairSpec", "SpecError", "format_scalar", "load_policies", "load_read_options",
+    "load_spec", "masked_env", "require_choice", "require_flags", "require_int",
+]  # fmt: skip
 
-class SpecError(ValueError):
-    """An invalid job or pair spec; the message is one line."""
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class JobSpec:
-    """One torchrun job. ``to_args`` turns it into the module args for ``parity.launch``."""
+    """One torchrun job: what every job has, plus the keys of its task's preset (``options``).
 
-    task: str = "charcount-sft"
-    trainer: str = "worker"
+    ``task`` is "custom" (run ``command``) or a preset a package registers (parity.tasks), whose
+    own keys are given beside these, ``JobSpec(task="charcount-sft", trainer="legacy")``, kept in
+    ``options`` with the preset's defaults filled in, and read as attributes (``spec.trainer``).
+    ``to_args`` turns it into the torchrun arguments for ``parity.launch``.
+    """
+
+    task: str = CUSTOM
+    command: list[str] | None = None  # "custom" only; `{out}` -> the run folder
     world_size: int = 1
-    engine: str = "fsdp2"
-    global_batch_size: int = 16
-    micro_batch_size: int | None = 4
-    dynamic_bsz: bool = False
-    max_tokens_per_rank: int | None = None
+    nnodes: int = 1
+    distributed: bool = True  # False: one process without torch.distributed (world_size 1)
     steps: int = 20
     seed: int = 0
-    model: str | None = None  # local HF model folder; None = the committed fixture
-    val_loss: str = "fixed"
-    overrides: dict[str, Scalar] = field(default_factory=dict)  # extra `--set key=value`
-    command: list[str] | None = None  # "custom" only; `{out}` -> the run folder
     timeout_s: float = 600.0
-    nnodes: int = 1
     torchrun_args: list[str] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # names of mutants to apply
     env: dict[str, str] = field(default_factory=dict)  # variables the job runs with
-    distributed: bool = True  # False: one process without torch.distributed (world_size 1)
+    options: dict[str, Any] = field(default_factory=dict)  # the preset's own keys
+
+    def __init__(
+        self,
+        task: str = CUSTOM,
+        command: list[str] | None = None,
+        world_size: int = 1,
+        nnodes: int = 1,
+        distributed: bool = True,
+        steps: int = 20,
+        seed: int = 0,
+        timeout_s: float = 600.0,
+        torchrun_args: list[str] | tuple[str, ...] = (),
+        inject: list[str] | tuple[str, ...] = (),
+        env: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        **keys: Any,
+    ) -> None:
+        given = dict(locals())
+        for name in _FIELDS:
+            object.__setattr__(self, name, given[name])
+        preset = tasks.get(task) if isinstance(task, str) else None
+        known = dict(preset.keys) if preset is not None else {}
+        chosen = {**(options or {}), **keys}
+        for key in chosen:
+            if key not in known:
+                _unknown(key, f"a {task!r} spec", _valid_keys(task))
+        merged = {k: _plain(v) for k, v in {**known, **chosen}.items()}
+        object.__setattr__(self, "options", merged)
+        object.__setattr__(self, "env", {} if env is None else env)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        _choice("task", self.task, TASKS)
-        _choice("engine", self.engine, ENGINES)
-        _choice("val_loss", self.val_loss, VAL_LOSSES)
-        if not isinstance(self.trainer, str) or not self.trainer:
-            raise SpecError(f"trainer must be a non-empty string, got {self.trainer!r}")
-        for name in ("world_size", "global_batch_size", "steps", "nnodes"):
-            _int(name, getattr(self, name), minimum=1)
-        _int("seed", self.seed)
-        _int("micro_batch_size", self.micro_batch_size, minimum=1, optional=True)
-        _int("max_tokens_per_rank", self.max_tokens_per_rank, minimum=1, optional=True)
-        for name in ("dynamic_bsz", "distributed"):
-            if not isinstance(getattr(self, name), bool):
-                raise SpecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.task, str) or not self.task:
+            raise SpecError(f"task must be a non-empty string, got {self.task!r}")
+        for name in ("world_size", "steps", "nnodes"):
+            require_int(name, getattr(self, name), minimum=1)
+        require_int("seed", self.seed)
+        if not isinstance(self.distributed, bool):
+            raise SpecError(f"distributed must be true or false, got {self.distributed!r}")
         if not self.distributed and self.world_size != 1:
             raise SpecError(
                 f"distributed = false runs one process without a process group: world_size must "
@@ -86,43 +110,43 @@ class JobSpec:
             raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan would never time out
             raise SpecError(f"timeout_s must be > 0 and finite, got {self.timeout_s}")
-        if isinstance(self.model, Path):
-            object.__setattr__(self, "model", str(self.model))
-        if self.model is not None and not isinstance(self.model, str):
-            raise SpecError(f"model must be a path string, got {self.model!r}")
+        if self.world_size % self.nnodes:
+            raise SpecError(f"world_size {self.world_size} is not divisible by nnodes "
+                            f"{self.nnodes}")  # fmt: skip
         object.__setattr__(self, "inject", _str_list("inject", self.inject))
         object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
-        object.__setattr__(self, "overrides", _overrides(self.overrides))
         object.__setattr__(self, "env", _env(self.env))
-        self._check_batch()
-        self._check_command()
-
-    def _check_batch(self) -> None:
-        ws, gbs = self.world_size, self.global_batch_size
-        if ws % self.nnodes:
-            raise SpecError(f"world_size {ws} is not divisible by nnodes {self.nnodes}")
-        if ws > gbs:
-            raise SpecError(f"world_size {ws} is larger than the global batch {gbs}")
-        if gbs % ws:
-            raise SpecError(f"global_batch_size {gbs} is not divisible by world_size {ws}")
-        if self.dynamic_bsz:
-            return
-        mbs, per_rank = self.micro_batch_size, gbs // ws
-        if mbs is None:
-            raise SpecError("micro_batch_size is required unless dynamic_bsz is true")
-        if per_rank % mbs:
-            raise SpecError(
-                f"micro_batch_size {mbs} does not divide the per-rank batch {per_rank} "
-                f"(global_batch_size {gbs} / world_size {ws})"
-            )
-
-    def _check_command(self) -> None:
-        if self.task == "custom":
+        preset = self.preset
+        if preset is None:
             if self.command is None or len(self.command) == 0:
                 raise SpecError("task 'custom' needs a command (module or script args)")
             object.__setattr__(self, "command", _str_list("command", self.command))
-        elif self.command is not None:
-            raise SpecError(f"command is only used by task 'custom', not {self.task!r}")
+        else:
+            if self.command is not None:
+                raise SpecError(f"command is only used by task 'custom', not {self.task!r}")
+            if preset.check is not None:
+                preset.check(self)
+
+    def __getattr__(self, name: str) -> Any:
+        """A preset's key as an attribute: ``spec.trainer``."""
+        options = self.__dict__.get("options")
+        if not name.startswith("__") and options is not None and name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def preset(self) -> tasks.Task | None:
+        """The task's preset (parity.tasks), None for "custom"."""
+        return tasks.get(self.task)
+
+    @property
+    def variant(self) -> str:
+        """What tells this side from the other in a preset's pair (its side key's value, e.g. the
+        trainer); '' for a custom command."""
+        preset = self.preset
+        if preset is None or preset.side_key is None:
+            return ""
+        return str(self.options.get(preset.side_key, ""))
 
     @property
     def nproc_per_node(self) -> int:
@@ -133,41 +157,33 @@ class JobSpec:
         """Build from parsed TOML/YAML; errors mention ``source`` (e.g. the file name)."""
         _reject_unknown(data, source)
         try:
-            return cls(**data)
+            return cls(**{str(k): v for k, v in data.items()})
         except SpecError as e:
             raise SpecError(f"{source}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (secrets included: what rebuilds the spec)."""
-        return dataclasses.asdict(self)
+        """Plain JSON-able dict, the preset's keys beside the others (secrets included: what
+        rebuilds the spec with ``from_dict``)."""
+        out = {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS if name != "options"}
+        return {**out, **copy.deepcopy(self.options)}
 
     def shown(self) -> dict[str, Any]:
         """``to_dict`` as summaries and `parity spec` show it: secrets in env masked."""
         return {**self.to_dict(), "env": masked_env(self.env)}
 
+    def replace(self, **changes: Any) -> JobSpec:
+        """A copy with ``changes`` (any keys, the preset's included), validated."""
+        return dataclasses.replace(self, **changes)
+
     def to_args(self, out_dir: Path) -> list[str]:
-        """Module args for torchrun, e.g. ``["-m", "worker.sft", "--trainer", "worker", ...]``."""
-        if self.task == "custom":
+        """torchrun's arguments after its own: the command, ``{out}`` made the run folder; or
+        the preset's (``["-m", "worker.sft", "--trainer", "worker", ...]``)."""
+        preset = self.preset
+        if preset is None:
             assert self.command is not None
-            return [a.replace("{out}", str(out_dir)) for a in self.command]
-        args = ["-m", _MODULES[self.task], "--trainer", self.trainer, "--out", str(out_dir)]
-        args += ["--steps", str(self.steps), "--seed", str(self.seed), "--engine", self.engine]
-        args += ["--global-batch-size", str(self.global_batch_size)]
-        if self.dynamic_bsz:
-            args.append("--dynamic-bsz")
+            args = [a.replace("{out}", str(out_dir)) for a in self.command]
         else:
-            args += ["--micro-batch-size", str(self.micro_batch_size)]
-        if self.max_tokens_per_rank is not None:
-            args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
-        if self.model is not None:
-            args += ["--model", self.model]
-        args += ["--val-loss", self.val_loss]
-        for key, value in self.overrides.items():  # extra job flags: {"val_samples": 16}
-            flag = "--" + key.replace("_", "-")
-            if value is True:
-                args.append(flag)
-            elif value is not False:
-                args += [flag, _format_scalar(value)]
+            args = list(preset.args(self, Path(out_dir)))
         if self.inject:  # mutants are applied by parity.inject in every rank, before the job
             args = ["-m", "parity.inject", "--mutants", ",".join(self.inject), *args]
         return args
@@ -189,9 +205,16 @@ class PairSpec:
         self.sides()  # validate both sides now, not when the pair is run
 
     @classmethod
-    def from_trainers(cls, base: JobSpec, a: str = "legacy", b: str = "worker") -> PairSpec:
-        """The usual pair: the same job run by two trainers."""
-        return cls(base, {"trainer": a}, {"trainer": b})
+    def from_variants(cls, base: JobSpec, a: str, b: str) -> PairSpec:
+        """The usual pair of a preset: the same job with its side key (e.g. the trainer) set to
+        ``a`` on one side and ``b`` on the other."""
+        preset = base.preset
+        if preset is None or preset.side_key is None:
+            raise SpecError(
+                f"task {base.task!r} has no side key to set to {a!r} and {b!r}; give each side's "
+                "keys instead ([a] and [b] tables, --a KEY=VALUE)"
+            )
+        return cls(base, {preset.side_key: a}, {preset.side_key: b})
 
     def sides(self) -> tuple[JobSpec, JobSpec]:
         """The two jobs, each ``base`` with its overrides applied and validated."""
@@ -209,7 +232,8 @@ EXAMPLE = """\
 # job both sides run; the [a] and [b] tables override keys for one side only (a whole value
 # each: a table such as env or overrides is replaced, not merged).
 
-task = "custom"            # "custom": run `command`; or a preset: charcount-sft, charcount-ppo
+task = "custom"            # "custom": run `command`; or a preset an installed package
+                           # registers (`parity tasks` lists them, with their own keys)
 command = ["train.py", "--output_dir", "{out}", "--max_steps", "20"]
                            # custom only: a script (or "-m", "module") and its arguments, run as
                            # `torchrun ... COMMAND`; {out} is the run folder, empty at start
@@ -221,11 +245,7 @@ seed = 0
 timeout_s = 600.0          # per run; the run is killed and reported as failed after it
 torchrun_args = []         # extra torchrun flags, e.g. ["--master-port", "29600"]
 inject = []                # mutants applied before the job starts (`parity mutants`)
-
-# the charcount presets only (the reference subject; a custom command is not given them):
-# trainer = "worker"  engine = "fsdp2"  global_batch_size = 16  micro_batch_size = 4
-# dynamic_bsz = false  max_tokens_per_rank = 4096  model = "path/to/hf-model"  val_loss = "fixed"
-# overrides = { val_samples = 16 }      # more job flags: --val-samples 16
+# a preset's own keys go here too, e.g. trainer = "legacy" (`parity tasks` lists them)
 
 [env]                      # variables the job runs with (both sides; [a.env]/[b.env] per side)
 ACCELERATE_USE_CPU = "true"
@@ -286,7 +306,7 @@ def _read_spec(path: Path) -> dict[str, Any]:
             data = yaml.safe_load(path.read_text())
         else:
             raise SpecError(f"{source}: unsupported spec format {path.suffix!r} (.toml or .yaml)")
-    except (OSError, _TOML_ERROR, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
+    except (OSError, _TOML_ERROR, yaml.YAMLError, RecursionError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(f"{source}: cannot read spec: {first}") from None
     if data is None:
@@ -359,40 +379,55 @@ def masked_env(env: Mapping[str, str]) -> dict[str, str]:
 # --- helpers -----------------------------------------------------------------------------------
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec))
+_GENERIC = tuple(f for f in _FIELDS if f != "options")  # the keys every job has
 
 
-_GENERIC = ("task", "command", "world_size", "nnodes", "distributed", "steps", "seed",
-            "timeout_s", "torchrun_args", "inject", "env")  # fmt: skip
+def _valid_keys(task: object, tables: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The keys a spec of ``task`` may have: every job's first, then the tables, then its
+    preset's own (none where the task is not known: that is said on its own)."""
+    try:
+        preset = tasks.get(task) if isinstance(task, str) else None
+    except SpecError:
+        preset = None
+    return (*_GENERIC, *tables, *(preset.keys if preset is not None else ()))
+
+
+def _unknown(key: object, where: str, valid: tuple[str, ...]) -> None:
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise SpecError(f"unknown key {str(key)[:80]!r} in {where}{hint}; valid keys: "
+                    f"{', '.join(valid)}")  # fmt: skip
 
 
 def _reject_unknown(data: Mapping[str, Any], source: str, tables: tuple[str, ...] = ()) -> None:
-    """A key no spec has is refused with the valid ones, the keys every job has first."""
-    valid = (*_GENERIC, *tables, *(f for f in _FIELDS if f not in _GENERIC))
+    """A key no spec of its task has is refused with the valid ones, every job's first."""
+    valid = _valid_keys(data.get("task", CUSTOM), tables)
     for key in data:
         if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise SpecError(
-                f"unknown key {str(key)[:80]!r} in {source}{hint}; valid keys: {', '.join(valid)}"
-            )
+            _unknown(key, source, valid)
 
 
 def _apply(base: JobSpec, overrides: Mapping[str, Any], source: str) -> JobSpec:
     if not isinstance(overrides, Mapping):
         raise SpecError(f"{source}: overrides must be a table, got {type(overrides).__name__}")
-    _reject_unknown(overrides, source)
+    _reject_unknown({"task": overrides.get("task", base.task), **overrides}, source)
     try:
         return dataclasses.replace(base, **overrides)
     except SpecError as e:
         raise SpecError(f"{source}: {e}") from None
 
 
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+def require_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """SpecError unless ``value`` is one of ``allowed`` (for presets' checks too)."""
     if value not in allowed:
         raise SpecError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
-def _int(name: str, value: object, minimum: int | None = None, optional: bool = False) -> None:
+def require_int(
+    name: str, value: object, minimum: int | None = None, optional: bool = False
+) -> None:
+    """SpecError unless ``value`` is an int (not a bool) of at least ``minimum``; None passes
+    when optional."""
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -401,13 +436,25 @@ def _int(name: str, value: object, minimum: int | None = None, optional: bool = 
         raise SpecError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _plain(value: Any) -> Any:
+    """A preset key's value as a spec file would give it: a path as its string, a tuple as a
+    list (so that equal specs compare and print equal)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 def _str_list(name: str, value: object) -> list[str]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise SpecError(f"{name} must be a list of strings, got {value!r}")
     return list(value)
 
 
-def _overrides(value: object) -> dict[str, Scalar]:
+def require_flags(value: object) -> dict[str, Scalar]:
+    """A table of extra job flags (``overrides = { val_samples = 16 }``): names without '=',
+    scalar values; SpecError otherwise."""
     if not isinstance(value, Mapping):
         raise SpecError(f"overrides must be a table of key = value, got {value!r}")
     for key, v in value.items():
@@ -428,11 +475,11 @@ def _env(value: object) -> dict[str, str]:
             raise SpecError(f"env name must be a non-empty string without '=', got {key!r}")
         if not isinstance(v, str | int | float | bool):
             raise SpecError(f"env[{key!r}] must be a string, number or bool, got {v!r}")
-        out[key] = _format_scalar(v)
+        out[key] = format_scalar(v)
     return out
 
 
-def _format_scalar(value: Scalar) -> str:
+def format_scalar(value: Scalar) -> str:
     """Flag values: bools as true/false (TOML/YAML spelling), the rest as ``str``."""
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -1,21 +1,21 @@
 """After a pair diverged on the same batches: rerun both sides up to the first divergent step
-with every op of that step traced, and name the first op that differs (issue 24).
+with every op of that step traced, and name the first op that differs.
 
 The diagnosis of a pair says "same batches, numbers differ from step k" when the data matched and
-the numbers did not. Then `trace_first_divergence` reruns each side as it was run (same spec,
+the numbers did not. Then (parity.pair.trace_divergence, part of run_pair and so of `parity pair`
+unless trace=False / --no-trace) `trace_first_divergence` reruns each side as it was run (same spec,
 mutants included) with `--trace-step k --stop-after k`: the schedule is still the full run's, the
 job only ends after step k. Where both sides saved their state before k (`--save-state-at s`),
 the reruns resume from the latest such state (`--resume`) instead of training from step 1. The two
 traces are compared by `parity.opdiff.compare_ops`.
 
-Only our jobs take these flags (charcount SFT and PPO; PPO traces the actor's first update of the
-step). A `custom` command cannot be asked for a trace: its loop wraps the step in
-`parity.record.trace_ops` itself, and the reason says so.
+A preset says how its job is asked for this (parity.tasks.Task.traced; the charcount ones with
+flags, PPO tracing the actor's first update of the step). A `custom` command cannot be asked for a
+trace: its loop wraps the step in `parity.record.trace_ops` itself, and the reason says so.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shutil
@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity.opdiff import OPS_DIR, OpDiff, compare_ops
-from parity.spec import JobSpec
+from parity.spec import JobSpec, SpecError
 
-TRACEABLE = ("charcount-sft", "charcount-ppo")
 _STATE = re.compile(r"state_step(\d+)$")
 
 
@@ -70,15 +69,6 @@ def saved_states(run_dir: Path) -> dict[int, Path]:
     return out
 
 
-def traced_spec(spec: JobSpec, step: int, resume: Path | None) -> JobSpec:
-    """The spec rerun: trace `step`, end after it; resume from a saved state when given."""
-    overrides = {k: v for k, v in spec.overrides.items() if k not in ("save_state_at", "resume")}
-    overrides.update(trace_step=step, stop_after=step)
-    if resume is not None:
-        overrides["resume"] = str(resume)
-    return dataclasses.replace(spec, overrides=overrides)
-
-
 def trace_first_divergence(
     spec_a: JobSpec,
     spec_b: JobSpec,
@@ -96,23 +86,26 @@ def trace_first_divergence(
         result.reason = "the runs differ before their first training step"
         return result
     for spec in (spec_a, spec_b):
-        if spec.task not in TRACEABLE:
+        if spec.preset is None or spec.preset.traced is None:
             result.reason = (
                 f"task {spec.task!r} cannot be asked for a trace; wrap step {step} of the loop "
                 "in parity.record.trace_ops and run both sides again"
             )
             return result
-    if spec_a.task == "charcount-ppo" and any("resume" in s.overrides for s in (spec_a, spec_b)):
-        result.reason = "PPO jobs do not resume"
-        return result
     states = [saved_states(d) for d in dirs]
     common = sorted(s for s in set(states[0]) & set(states[1]) if s < step)
     resumed = common[-1] if common else None
-    start = time.perf_counter()
+    reruns = {}
     for side, spec, saved in (("a", spec_a, states[0]), ("b", spec_b, states[1])):
+        try:
+            reruns[side] = spec.preset.traced(spec, step, saved.get(resumed))
+        except SpecError as e:
+            result.reason = str(e)
+            return result
+    start = time.perf_counter()
+    for side, traced in reruns.items():
         folder = Path(out) / f"trace-{side}"
-        resume = saved[resumed] if resumed is not None else None
-        run_job(traced_spec(spec, step, resume), folder, label=f"trace {side} step {step}")
+        run_job(traced, folder, label=f"trace {side} step {step}")
         result.dirs[side] = str(folder)
     result.seconds = time.perf_counter() - start
     result.resumed_from = resumed

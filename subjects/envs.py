@@ -20,7 +20,13 @@ renamed after it is built, the console scripts in ``bin/`` carry the temporary p
 
 When the package index cannot be reached, ``ensure`` raises ``EnvUnavailable`` with pip's own
 network error as the reason (tests skip with it); any other failure is ``EnvBuildError`` with the
-tail of pip's output. The decision is taken from pip's output, never guessed in advance.
+tail of pip's output. The decision is taken from pip's output, never guessed in advance. ``pip``
+runs any pip command under the same rule.
+
+``clone(python, dest)`` makes a fresh venv whose site-packages holds hard links to a built
+environment's: a user's environment with, say, a multi-GB torch in it, made in a second and
+without disk, for a test to install into. The cached environment stays as it was: pip removes
+or replaces an installed file (a new inode in the clone), never writes into one.
 """
 
 from __future__ import annotations
@@ -135,7 +141,9 @@ def _retries() -> str:
         return "5"
 
 
-def _pip(py: Path, args: list[str], log: Path, timeout_s: float) -> None:
+def pip(py: Path, args: list[str], log: Path, timeout_s: float) -> None:
+    """`py -m pip ARGS`, its output appended to `log`; EnvUnavailable when pip could not reach
+    the package index, EnvBuildError with pip's last lines for any other failure."""
     cmd = [str(py), "-m", "pip", "--disable-pip-version-check", "--no-input"]
     cmd += ["--retries", _retries(), *args]
     with log.open("a") as f:
@@ -166,9 +174,9 @@ def _build(spec: EnvSpec, env: Path, timeout_s: float) -> None:
     if spec.requirements:
         requirements = env / "requirements.txt"
         requirements.write_text("".join(f"{r}\n" for r in spec.requirements))
-        _pip(py, ["install", "-c", str(constraints), "-r", str(requirements)], log, timeout_s)
+        pip(py, ["install", "-c", str(constraints), "-r", str(requirements)], log, timeout_s)
     if spec.no_deps:
-        _pip(py, ["install", "--no-deps", "-c", str(constraints), *spec.no_deps], log, timeout_s)
+        pip(py, ["install", "--no-deps", "-c", str(constraints), *spec.no_deps], log, timeout_s)
     freeze = subprocess.run(
         [str(py), "-m", "pip", "freeze", "--disable-pip-version-check"],
         capture_output=True,
@@ -185,6 +193,30 @@ def _build(spec: EnvSpec, env: Path, timeout_s: float) -> None:
         "freeze": freeze,
     }
     (env / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def site_packages(env: Path) -> Path:
+    """The site-packages folder of the venv at `env` (lib/pythonX.Y/site-packages)."""
+    found = sorted((env / "lib").glob("python*/site-packages"))
+    if len(found) != 1:
+        raise EnvBuildError(f"{env}: expected one lib/python*/site-packages, found {len(found)}")
+    return found[0]
+
+
+def clone(python: Path, dest: Path) -> Path:
+    """A fresh venv at `dest` holding the packages of the environment whose python is `python`,
+    as hard links (module doc); returns its python. `dest` must be on the environment's
+    filesystem (a hard link cannot cross one): EnvBuildError names both otherwise."""
+    env = Path(python).parent.parent
+    source = site_packages(env)
+    subprocess.run([str(python), "-m", "venv", "--without-pip", str(dest)], check=True, timeout=600)
+    target = site_packages(dest)
+    if source.stat().st_dev != target.stat().st_dev:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise EnvBuildError(f"{dest}: not on the filesystem of {env}; clone it beside that")
+    shutil.rmtree(target)
+    shutil.copytree(source, target, symlinks=True, copy_function=os.link)
+    return python_of(dest)
 
 
 def _check_pins(spec: EnvSpec, freeze: list[str]) -> None:

@@ -5,6 +5,8 @@ process without it). tests/test_recorder.py runs it.
 --plant data: from step 3, rank 1 trains on other rows (a data-order bug);
 --plant numeric: from step 3, fc2.weight's gradient gets an L2 term (a numeric bug in one layer);
 --plant crash: the loop raises at step 3 (no end record).
+--trace-step K: step K runs inside parity.record.trace_ops (every op, from its forward to its
+optimizer step, into ops/rank{r}.jsonl).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import argparse
 import os
 import sys
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from parity.record import record_run
+from parity.record import record_run, trace_ops
 
 PLANT_STEP = 3
 
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--fingerprint-steps", default="")
     p.add_argument("--plant", choices=("none", "data", "numeric", "crash"), default="none")
+    p.add_argument("--trace-step", type=int, default=0)
     args = p.parse_args()
     distributed = "RANK" in os.environ
     if distributed:
@@ -53,15 +57,17 @@ def main() -> None:
             rows = data[first : first + 2]
             ids, labels = rows[:, :-1], rows[:, 1:]
             rec.batch(ids, labels)  # what this rank trains on
-            loss = F.cross_entropy(ddp(ids).flatten(0, 1), labels.flatten())
-            loss.backward()
-            if args.plant == "numeric" and step >= PLANT_STEP:
-                model.fc2.weight.grad += 1e-3 * model.fc2.weight.detach()
-            if args.plant == "crash" and step == PLANT_STEP:
-                raise RuntimeError(f"planted crash at step {step}")
-            rec.fingerprint(step, model)  # pre-clip gradients, at the chosen steps
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            traced = trace_ops(args.out, step, model) if step == args.trace_step else nullcontext()
+            with traced:  # every op of the step, at --trace-step only
+                loss = F.cross_entropy(ddp(ids).flatten(0, 1), labels.flatten())
+                loss.backward()
+                if args.plant == "numeric" and step >= PLANT_STEP:
+                    model.fc2.weight.grad += 1e-3 * model.fc2.weight.detach()
+                if args.plant == "crash" and step == PLANT_STEP:
+                    raise RuntimeError(f"planted crash at step {step}")
+                rec.fingerprint(step, model)  # pre-clip gradients, at the chosen steps
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
             opt.zero_grad()
             loss = loss.detach()
             if distributed:

@@ -7,6 +7,7 @@ from worker.data.charcount import FIXTURES
 
 # 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
 FIXED = JobSpec(
+    task="charcount-sft",
     world_size=2,
     steps=20,
     micro_batch_size=4,
@@ -16,20 +17,24 @@ FIXED = JobSpec(
 # bitwise equal on this: every part of a job a mode could disturb (val before, between and after
 # the steps, 2 micro-batches per rank, the final weights) in 4 steps instead of FIXED's 20
 LAUNCH_MODES = JobSpec(
+    task="charcount-sft",
     world_size=2,
     steps=4,
     micro_batch_size=4,
     overrides={"val_before_train": True, "val_every": 2, "save_final": True},
 )
 DYNAMIC = JobSpec(
+    task="charcount-sft",
     world_size=2, steps=20, dynamic_bsz=True, micro_batch_size=None, max_tokens_per_rank=1200
 )
-DDP_PADDED = JobSpec(world_size=2, steps=20, engine="ddp", overrides={"padded": True})
+DDP_PADDED = JobSpec(
+    task="charcount-sft", world_size=2, steps=20, engine="ddp", overrides={"padded": True}
+)
 
 
 def plain(world_size: int = 2, **changes) -> JobSpec:
     """The worker trainer, 20 steps, global batch 16, default options."""
-    return JobSpec(world_size=world_size, steps=20, **changes)
+    return JobSpec(task="charcount-sft", world_size=world_size, steps=20, **changes)
 
 
 # fixtures/charcount-small: the first 64 train and 8 val samples of fixtures/charcount. With a
@@ -37,13 +42,16 @@ def plain(world_size: int = 2, **changes) -> JobSpec:
 # training the full set needs to get there)
 SMALL_DATA = str(FIXTURES / "charcount-small")
 EPOCHS = JobSpec(
+    task="charcount-sft",
     world_size=2, steps=3, global_batch_size=32, micro_batch_size=8, overrides={"data": SMALL_DATA}
 )
 # 46 val samples: 23 per rank, so the last val micro-batch of 4 is incomplete
-VAL46 = JobSpec(world_size=2, steps=2, overrides={"val_samples": 46})
+VAL46 = JobSpec(task="charcount-sft", world_size=2, steps=2, overrides={"val_samples": 46})
 SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
 # 3 steps with every parameter and gradient hashed at each (worker/fingerprint.py)
-FINGERPRINTED = JobSpec(world_size=2, steps=3, overrides={"fingerprint_steps": "all"})
+FINGERPRINTED = JobSpec(
+    task="charcount-sft", world_size=2, steps=3, overrides={"fingerprint_steps": "all"}
+)
 
 # charcount PPO: 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO
 # step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 10 steps: the

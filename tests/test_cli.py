@@ -68,7 +68,8 @@ def _parity(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parity
 def test_pair_command_catches_injected_bug(tmp_path):
     proc = _parity(
-        "pair", "--a", "legacy", "--b", "worker", "--world", "2", "--steps", "3",
+        "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
+        "--world", "2", "--steps", "3",
         "--inject-b", "lr-before-step", "--in-process", "--out", str(tmp_path / "pair"), "--json",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
@@ -88,8 +89,10 @@ def test_pair_command_catches_injected_bug(tmp_path):
 @pytest.mark.parity
 def test_pair_command_reports_a_failed_run(tmp_path):
     proc = _parity(
-        "pair", "--world", "2", "--steps", "2", "--model", str(tmp_path / "no-model"),
-        "--out", str(tmp_path / "pair"), "--json",
+        "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
+        "--world", "2",
+        "--steps", "2", "--set", f"model={tmp_path / 'no-model'}", "--out", str(tmp_path / "pair"),
+        "--json",
     )  # fmt: skip
     assert proc.returncode == 3
     assert json.loads(proc.stdout)["verdict"] == "failed"
@@ -139,7 +142,10 @@ def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeyp
 
     tail = _refusal_tail(tmp_path, capsys, "--val-sampels", "3")
     spec = tmp_path / "pair.toml"
-    spec.write_text('world_size = 2\n[overrides]\nval_sampels = 3\n[a]\ntrainer = "legacy"\n[b]\n')
+    spec.write_text(
+        'task = "charcount-sft"\nworld_size = 2\n[overrides]\nval_sampels = 3\n'
+        '[a]\ntrainer = "legacy"\n[b]\n'
+    )
     failures: list[RankFailure] = []
 
     def refused(pair, out, policies, **kwargs):

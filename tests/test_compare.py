@@ -592,7 +592,7 @@ def test_noise_of_many_names_at_once_is_noise_of_each():
 def reference(a, b, policies=None, allow_missing=False):
     """The metric-by-metric comparison compare_frames made before it worked on whole arrays:
     each column read through pandas, each metric judged by _compare_metric."""
-    from parity.compare import _compare_metric, _resolve
+    from parity.compare import _compare_metric, resolve_policy
     from parity.readers import present_mask
     from parity.readers.frame import FLOAT64, coarser
 
@@ -615,7 +615,7 @@ def reference(a, b, policies=None, allow_missing=False):
             (a.attrs.get("precision") or {}).get(name, FLOAT64),
             (b.attrs.get("precision") or {}).get(name, FLOAT64),
         )
-        policy = _resolve(name, policies or {})
+        policy = resolve_policy(name, policies or {})
         args = (*cols["a"], *cols["b"], allow_missing, precision)
         out[name] = _compare_metric(name, policy, steps, *args)
     return out

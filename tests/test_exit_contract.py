@@ -28,6 +28,7 @@ import parity.revisions
 import parity.runs
 import parity.signals
 from parity.cli import EXIT_INTERNAL, main
+from parity.errors import InputError
 
 CONTRACT = {0, 1, 2, 3, 4}
 MAX_LINE = 300  # the most characters of a `parity: error: ...` line
@@ -401,7 +402,7 @@ def test_an_os_error_about_no_path_is_internal(tmp_path, capsys, monkeypatch):
 
 def test_a_long_error_is_clipped_to_one_line(tmp_path, capsys, monkeypatch):
     def long_error(args):
-        raise ValueError("first line\n" + "y" * 5000)
+        raise InputError("first line\n" + "y" * 5000)
 
     monkeypatch.setattr(parity.cli, "cmd_compare", long_error)
     good = _good_run(tmp_path / "good")

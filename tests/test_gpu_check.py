@@ -176,7 +176,7 @@ def test_specs_read_without_tomllib(tmp_path, monkeypatch):
     import parity.spec as spec
 
     monkeypatch.setattr(spec, "tomllib", None)
-    (tmp_path / "job.yaml").write_text("world_size: 2\nsteps: 3\n")
+    (tmp_path / "job.yaml").write_text("task: worker.presets:SFT\nworld_size: 2\nsteps: 3\n")
     assert spec.load_spec(tmp_path / "job.yaml").steps == 3
     (tmp_path / "job.toml").write_text("steps = 3\n")
     with pytest.raises(spec.SpecError, match="needs tomli") as e:

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parity
 def test_in_process_pair_is_bitwise_two_launches(parity_runner):
-    pair = PairSpec.from_trainers(LAUNCH_MODES, "legacy", "worker")
+    pair = PairSpec.from_variants(LAUNCH_MODES, "legacy", "worker")
     together = parity_runner.pair_in_process(pair)
     spec_a, spec_b = pair.sides()
     alone = [parity_runner.job(spec_a, separate=True), parity_runner.job(spec_b, separate=True)]
@@ -80,7 +80,7 @@ def test_each_side_gets_its_own_mutants(parity_runner):
 
 
 def test_refusals_are_one_line():
-    base = JobSpec(world_size=2)
+    base = JobSpec(task="charcount-sft", world_size=2)
     assert refusal(base, dataclasses.replace(base, trainer="legacy")) is None
     assert refusal(base, dataclasses.replace(base, inject=["lr-before-step"])) is None
     reason = refusal(base, dataclasses.replace(base, world_size=1))
@@ -93,7 +93,9 @@ def test_refusals_are_one_line():
 
 def test_refusal_is_exit_2_before_any_launch(tmp_path):
     spec = tmp_path / "pair.toml"
-    spec.write_text('world_size = 2\n[a]\ntrainer = "legacy"\n[b]\nworld_size = 1\n')
+    spec.write_text(
+        'task = "charcount-sft"\nworld_size = 2\n[a]\ntrainer = "legacy"\n[b]\nworld_size = 1\n'
+    )
     cmd = [sys.executable, "-m", "parity.cli", "pair", "--in-process", "--spec", str(spec)]
     proc = subprocess.run(cmd + ["--out", str(tmp_path)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)  # fmt: skip
@@ -103,8 +105,8 @@ def test_refusal_is_exit_2_before_any_launch(tmp_path):
 
 
 def test_command_runs_each_side_with_its_own_mutants(tmp_path):
-    base = JobSpec(world_size=2, inject=["lr-before-step"])
-    specs = [JobSpec(world_size=2, trainer="legacy"), base]
+    base = JobSpec(task="charcount-sft", world_size=2, inject=["lr-before-step"])
+    specs = [JobSpec(task="charcount-sft", world_size=2, trainer="legacy"), base]
     args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
     assert args[:2] == ["-m", "parity.inprocess"] and args.count("parity.inject") == 1
     opts, sides = _parse(args[2:])
@@ -245,8 +247,8 @@ def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(parity.runs, "run_job", run_job)
     monkeypatch.setattr(parity.inprocess, "run_pair_in_process", run_pair_in_process)
     runner = ParityRunner(tmp_path)
-    base = JobSpec(world_size=2)
-    pair = PairSpec.from_trainers(base, "legacy", "worker")
+    base = JobSpec(task="charcount-sft", world_size=2)
+    pair = PairSpec.from_variants(base, "legacy", "worker")
     result = runner.pair(pair, in_process=True)
     assert launches == [("in-process",)] and result.a.in_process and result.ok
     assert runner.job(dataclasses.replace(base, trainer="legacy")) is result.a
@@ -254,7 +256,7 @@ def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
     alone = runner.job(base, separate=True)
     assert not alone.in_process and launches[-1] == ("job", "worker")
     assert runner.job(base, separate=True) is alone and len(launches) == 2
-    other = PairSpec.from_trainers(dataclasses.replace(base, steps=3), "legacy", "worker")
+    other = PairSpec.from_variants(dataclasses.replace(base, steps=3), "legacy", "worker")
     runner.job(other.sides()[1])
     runner.pair(other, in_process=True)
     assert launches[2:] == [("job", "worker"), ("job", "legacy")]

@@ -62,7 +62,9 @@ def test_floor_per_metric_from_two_runs_of_one_side():
 @pytest.mark.parity
 def test_nondeterministic_side_is_not_blamed_on_b(tmp_path, parity_mutant_score):
     out = tmp_path / "pair"
-    cmd = [sys.executable, "-m", "parity.cli", "pair", "--world", "1", "--steps", "2",
+    cmd = [sys.executable, "-m", "parity.cli", "pair", "--task", "charcount-sft",
+           "--a", "legacy", "--b", "worker",
+           "--world", "1", "--steps", "2",
            "--inject-a", "sampler-seed-from-time", "--noise-floor", "--out", str(out),
            "--json"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -96,7 +96,7 @@ def test_ulps_allowed_by_max_ulp(tmp_path):
 
 
 def test_partial_or_missing_chains_are_refused(tmp_path, capsys):
-    with pytest.raises(ChainError, match="no chain files; run the PPO job with --logprob-chain"):
+    with pytest.raises(ChainError, match="no chain files; run the job with its chain written"):
         load_chain(tmp_path)
     run = _run(tmp_path)
     (run / "onpolicy" / "step00002-rank1.safetensors").unlink()
@@ -188,8 +188,10 @@ def test_clean_run_of_the_mutant_settings_holds(tmp_path, capsys):
     """The mutants' settings without a mutant, through `parity onpolicy --out` (it runs the
     job): every link holds, so each break below is the mutant's."""
     code = main([
-        "onpolicy", "--out", str(tmp_path / "clean"), "--steps", "1", "--batch-invariant",
-        "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "64",
+        "onpolicy", "--out", str(tmp_path / "clean"), "--task", "charcount-ppo", "--world", "2",
+        "--steps", "1", "--set", "global_batch_size=8", "--set", "micro_batch_size=1", "--set",
+        "overrides={logprob_chain: true, batch_invariant: true, temperature: 0.8, top_p: 0.9, "
+        "max_new_tokens: 64}",
     ])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out

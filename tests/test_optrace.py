@@ -179,9 +179,15 @@ NAMED = {
 
 
 def _traced(runner, overrides: dict, mutant: str | None = None):
-    spec = JobSpec(world_size=2, steps=1, overrides={**overrides, **TRACED})
+    spec = JobSpec(task="charcount-sft", world_size=2, steps=1, overrides={**overrides, **TRACED})
     if mutant:
-        spec = JobSpec(world_size=2, steps=1, overrides={**overrides, **TRACED}, inject=[mutant])
+        spec = JobSpec(
+            task="charcount-sft",
+            world_size=2,
+            steps=1,
+            overrides={**overrides, **TRACED},
+            inject=[mutant],
+        )
     return runner.job(spec).dir
 
 

@@ -108,7 +108,9 @@ def held_elsewhere(tmp_path: Path):
 
 def test_a_second_command_on_a_held_folder_is_refused(held_elsewhere, capsys) -> None:
     out, pid = held_elsewhere
-    code = main(["pair", "--world", "1", "--steps", "1", "--out", str(out)])
+    code = main(
+        ["pair", "--task", "charcount-sft", "--world", "1", "--steps", "1", "--out", str(out)]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert f"in use by pid {pid}" in err[0]
@@ -149,7 +151,7 @@ def test_pair_and_report_into_a_file_are_bad_input(tmp_path: Path, capsys) -> No
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(COMPLETE)
     for argv in (
-        ["pair", "--world", "1", "--steps", "1", "--out", str(target)],
+        ["pair", "--task", "charcount-sft", "--world", "1", "--steps", "1", "--out", str(target)],
         ["report", str(metrics), str(metrics), "-o", str(target)],
     ):
         assert main(argv) == 2

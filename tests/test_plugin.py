@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -89,3 +91,36 @@ def test_the_keep_runs_folder_is_held_and_owned(pytester, tmp_path_factory):
     result = pytester.runpytest(f"--parity-keep-runs={keep}", "--parity-no-pool")
     result.assert_outcomes(passed=1)
     assert (keep / "mine" / "notes.txt").read_text() == "the user's"
+
+
+def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
+    """ParityRunner.pair and .floor build their results with parity.pair's functions (one
+    comparison of a pair for `parity pair`, run_pair and the plugin): a noisy side A gives the
+    "nondeterministic" result against its repeat, as `parity pair --noise-floor` does."""
+    import parity.pair
+    import parity.runs
+    from parity.launch import LaunchResult
+    from parity.plugin import ParityRunner
+    from parity.runs import Run
+    from parity.spec import JobSpec, PairSpec
+
+    losses = iter([[3.0, 2.0], [3.0, 2.0], [3.0, 2.5], [3.0, 2.0]])  # A, B; then A, A' differ
+
+    def run_job(spec, out, label=None, **kwargs):
+        launch = LaunchResult(returncode=0, timed_out=False, duration_s=1.0, run_dir=Path(out))
+        return Run(spec, Path(out), launch, _frame(next(losses)))
+
+    compared = []
+    real = parity.pair.compare_frames
+    monkeypatch.setattr(parity.runs, "run_job", run_job)
+    monkeypatch.setattr(parity.pair, "compare_frames", lambda *a: compared.append(a) or real(*a))
+    runner = ParityRunner(tmp_path)
+    pair = PairSpec.from_variants(JobSpec(task="charcount-sft", steps=2), "legacy", "worker")
+    result = runner.pair(pair)
+    assert (result.verdict, result.dir, len(compared)) == ("aligned", tmp_path, 1)
+    assert result.diagnose().kind == "aligned"  # on first use; nothing written beside the runs
+    assert not (tmp_path / "summary.json").exists()
+    noisy = runner.pair(PairSpec.from_variants(pair.base.replace(seed=7), "legacy", "worker"),
+                        noise_floor=True)  # fmt: skip
+    assert noisy.verdict == "nondeterministic" and noisy.b is noisy.floor.runs[1]
+    assert noisy.floor.a_dir == noisy.a.dir and noisy.dir == tmp_path

@@ -136,12 +136,14 @@ def test_runner_launches_alone_what_a_pool_cannot_run(tmp_path, monkeypatch):
     monkeypatch.setattr(parity.runs, "run_job", run_job)
     runner = ParityRunner(tmp_path, pool=True)
     monkeypatch.setattr(runner.pools, "run", pool_run)
-    ok = runner.job(JobSpec(world_size=2))
+    ok = runner.job(JobSpec(task="charcount-sft", world_size=2))
     assert ok.in_process and pooled == ["000-charcount-sft-worker-w2"] and not launches
-    assert runner.job(JobSpec(world_size=2)) is ok and len(pooled) == 1
-    failed = runner.job(JobSpec(world_size=2, seed=1))  # the pool failed on it
+    assert runner.job(JobSpec(task="charcount-sft", world_size=2)) is ok and len(pooled) == 1
+    failed = runner.job(
+        JobSpec(task="charcount-sft", world_size=2, seed=1)
+    )  # the pool failed on it
     assert not failed.in_process and launches == ["001-charcount-sft-worker-w2-alone"]
-    alone = runner.job(JobSpec(world_size=2), separate=True)
+    alone = runner.job(JobSpec(task="charcount-sft", world_size=2), separate=True)
     assert not alone.in_process and len(launches) == 2 and len(pooled) == 2
-    two_nodes = JobSpec(world_size=2, nnodes=2)
+    two_nodes = JobSpec(task="charcount-sft", world_size=2, nnodes=2)
     assert Pools.refusal(two_nodes) and "one node" in Pools.refusal(two_nodes)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import hf_callback_run
 import pytest
 import torch
 
@@ -42,7 +43,7 @@ def _loop(plant: str = "none", steps: int = 6) -> JobSpec:
     command = [str(LOOP), "--out", "{out}", "--steps", str(steps), "--plant", plant]
     command += ["--fingerprint-steps", "all"]
     return JobSpec(
-        task="custom", trainer=f"foreign-{plant}", world_size=2, steps=steps, command=command,
+        task="custom", world_size=2, steps=steps, command=command,
         timeout_s=120,
     )  # fmt: skip
 
@@ -217,71 +218,33 @@ def test_the_recorder_is_the_bottom_layer():
                 ok = ok or (path.name == "hf.py" and top == "transformers")
                 assert ok, f"{path.name} imports {name}"
     code = (
-        "import sys, parity.record as r; r.Recorder; r.environment; r.DataDigest\n"
+        "import sys, parity.record as r, parity.record.env as e; r.Recorder; e.environment\n"
+        "r.DataDigest\n"
         "bad = ['pandas', 'transformers', 'worker', 'parity.compare', 'parity.readers']\n"
         "print([m for m in bad if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stderr
     import parity.record as record
+    import parity.record.env
     import worker.fingerprint
     import worker.metrics_log
 
     assert worker.fingerprint.DataDigest is record.DataDigest
-    assert worker.metrics_log.environment is record.environment
+    assert worker.metrics_log.environment is parity.record.env.environment
     assert isinstance(worker.metrics_log.MetricsLog(ROOT, enabled=False).recorder, Recorder)
 
 
 # --- HF Trainer, in one process ----------------------------------------------------------------
 
 
-def _hf_run(out: Path, max_grad_norm: float) -> Path:
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    from parity.record.hf import ParityCallback
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(ROOT / "fixtures" / "tiny-qwen2"), use_safetensors=True, dtype=torch.float32
-    )
-    ids = torch.randint(0, 100, (8, 12), generator=torch.Generator().manual_seed(0))
-    rows = [{"input_ids": r, "labels": r} for r in ids]
-    args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=2, max_steps=3, logging_steps=1,
-        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4, use_cpu=True,
-        report_to=[], save_strategy="no", seed=0, max_grad_norm=max_grad_norm, disable_tqdm=True,
-    )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4])
-    ParityCallback.attach(trainer, fingerprint_steps="1,2", trace_step=1)
-    trainer.train()
-    trainer.save_state()
-    return out
-
-
 def test_hf_callback_writes_what_trainer_logs_and_pre_clip_gradients(tmp_path):
+    """tests/hf_callback_run.py: two 3-step Trainer runs, clipped at 1.0 and at 1e-3, in this
+    venv (tests/test_install.py runs the same under other transformers versions)."""
     pytest.importorskip("transformers")
-    a = _hf_run(tmp_path / "a", max_grad_norm=1.0)
-    mine, hf = read_metrics(a), read_metrics(a / "trainer_state.json")
-    assert mine.attrs["complete"] is True
-    # the same names and bits as HF's own log: training, evaluation and summary in one record
-    comparison = compare_frames(mine, hf)
-    assert comparison.verdict == "aligned", comparison.table()
-    assert {"train/loss", "eval/loss", "train/total_flos", "train/train_loss"} <= set(mine.columns)
-    data = read_rank_data(a)[0]
-    assert set(data[2]) == {"train", "val"} and data[1]["train"]["tokens"] == 24
-    manifest = json.loads((a / "manifest.json").read_text())
-    assert (manifest["device"], manifest["world_size"]) == ("cpu", 1)
-    assert manifest["config"]["max_grad_norm"] == 1.0
-    # clipped hard, the weights part after step 1; the gradients of step 1 were hashed before
-    # the clip, so they are the same
-    b = _hf_run(tmp_path / "b", max_grad_norm=1e-3)
-    d = diagnose(a, b, compare_frames(read_metrics(a), read_metrics(b)))
-    assert d.kind == "same batches, numbers differ" and d.step == 2, d.lines()
-    assert d.fingerprints.root[:2] == ("weights", 2) and d.fingerprints.first_grad_step == 2
-    # step 1 traced op by op (trace_step=1): the clip is where they part, by its max norm
-    assert d.ops.status == "differ" and d.ops.step == 1, d.ops.line()
-    assert (d.ops.first["phase"], d.ops.origin) == ("step", "scalar argument"), d.ops.line()
-    assert "1.0 vs 0.001" in d.ops.line() or "1 vs 0.001" in d.ops.line(), d.ops.line()
+    a = hf_callback_run.run(tmp_path / "a", max_grad_norm=1.0)
+    b = hf_callback_run.run(tmp_path / "b", max_grad_norm=1e-3)
+    hf_callback_run.check(a, b)
     # fingerprints without attach: refused in one line (no callback sees the pre-clip gradients)
     from parity.record.hf import ParityCallback
 

@@ -148,8 +148,8 @@ def test_mark_teardown_needs_a_fresh_complete_file(tmp_path: Path) -> None:
 
 @pytest.mark.parity
 def test_two_nodes_give_the_same_bits_as_one(parity_runner, tmp_path: Path) -> None:
-    one = parity_runner.job(JobSpec(world_size=2, steps=2))
-    two = run_job(JobSpec(world_size=2, steps=2, nnodes=2), tmp_path / "two")
+    one = parity_runner.job(JobSpec(task="charcount-sft", world_size=2, steps=2))
+    two = run_job(JobSpec(task="charcount-sft", world_size=2, steps=2, nnodes=2), tmp_path / "two")
     assert sorted(two.launch.nodes) == [0, 1]
     assert two.manifest["world_size"] == 2
     comparison = compare_frames(one.metrics, two.metrics)
@@ -259,7 +259,12 @@ def test_ctrl_c_waits_for_every_node_to_clean_up(tmp_path: Path) -> None:
 @pytest.mark.parity
 def test_val_set_smaller_than_a_batch_gives_the_true_value(parity_runner) -> None:
     # 3 val samples, global batch 16, 2 ranks: shares of 2 and 1, one partial micro-batch each
-    base = JobSpec(world_size=2, steps=1, overrides={"val_samples": 3, "val_before_train": True})
+    base = JobSpec(
+        task="charcount-sft",
+        world_size=2,
+        steps=1,
+        overrides={"val_samples": 3, "val_before_train": True},
+    )
     runs = [parity_runner.job(replace(base, trainer=t)) for t in ("legacy", "worker")]
     values = [run.metrics["val/loss"][0] for run in runs]
     assert values[0] == values[1]  # the legacy (fixed formula) and worker trainers, bitwise
@@ -269,7 +274,7 @@ def test_val_set_smaller_than_a_batch_gives_the_true_value(parity_runner) -> Non
 
 @pytest.mark.parity
 def test_val_set_smaller_than_the_world_is_a_one_line_error(tmp_path: Path) -> None:
-    spec = JobSpec(world_size=2, steps=1, overrides={"val_samples": 1})
+    spec = JobSpec(task="charcount-sft", world_size=2, steps=1, overrides={"val_samples": 1})
     with pytest.raises(LaunchError) as info:
         run_job(spec, tmp_path)
     first = info.value.result.failures[0]
@@ -377,7 +382,7 @@ def test_impossible_spec_values_are_one_line_errors(changes: dict, message: str)
     from parity.spec import SpecError
 
     with pytest.raises(SpecError) as info:
-        JobSpec(**changes)
+        JobSpec(**{"task": "charcount-sft", **changes})
     assert message in str(info.value) and "\n" not in str(info.value)
 
 

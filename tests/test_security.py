@@ -178,7 +178,7 @@ def test_summary_md_fence_survives_hostile_metric_names(tmp_path: Path) -> None:
 
     evil = "x```\n<img src=x onerror=alert(1)>"
     frame = pd.DataFrame({evil: [1.0, 2.0]}, index=pd.Index([1, 2], name="step"))
-    run = Run(JobSpec(), tmp_path, LaunchResult(0, False, 1.0, tmp_path), frame)
+    run = Run(JobSpec(task="charcount-sft"), tmp_path, LaunchResult(0, False, 1.0, tmp_path), frame)
     write_summary(PairResult(run, run, compare_frames(frame, frame), tmp_path))
     md = (tmp_path / "summary.md").read_text()
     fence = md.splitlines()[2]

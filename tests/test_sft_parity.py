@@ -74,7 +74,7 @@ def test_any_local_hf_model_folder(parity_runner, tmp_path):
     )  # fmt: skip
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "llama"))
-    base = JobSpec(world_size=2, steps=3, model=str(tmp_path / "llama"))
+    base = JobSpec(task="charcount-sft", world_size=2, steps=3, model=str(tmp_path / "llama"))
     pair = legacy_vs_worker(parity_runner, base)
     assert pair.b.manifest["num_params"] < 40_000
     assert_parity(pair.a, pair.b)
@@ -127,6 +127,7 @@ def test_oracle_check_catches_old_formula(parity_runner):
 
 def _val_only(trainer: str, val_loss: str, micro_batch_size: int) -> JobSpec:
     return JobSpec(
+        task="charcount-sft",
         trainer=trainer,
         world_size=2,
         steps=1,

@@ -85,7 +85,7 @@ def _spec(subject: str, batch: int, ga: int, *extra: str) -> JobSpec:
         command = [_trl_python(), str(TRL_SCRIPT), *args, "--bf16", "off"]
         torchrun_args = ["--no-python"]
     return JobSpec(
-        task="custom", trainer=subject, command=command, world_size=2, steps=STEPS,
+        task="custom", command=command, world_size=2, steps=STEPS,
         torchrun_args=torchrun_args, timeout_s=300,
     )  # fmt: skip
 

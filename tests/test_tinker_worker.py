@@ -209,8 +209,8 @@ def test_tinker_is_an_sft_trainer_only(tmp_path):
     from worker.ppo_common import parse_config as ppo_config
     from worker.trainers.common import parse_config
 
-    _, b = PairSpec.from_trainers(
-        JobSpec(world_size=2, overrides={"chunks": 4}), b="tinker"
+    _, b = PairSpec.from_variants(
+        JobSpec(task="charcount-sft", world_size=2, overrides={"chunks": 4}), "legacy", "tinker"
     ).sides()
     args = b.to_args(tmp_path)
     assert args[:2] == ["-m", "worker.sft"]

@@ -1,6 +1,7 @@
 """A pair that diverged on the same batches is rerun up to its first divergent step with every op
-of that step traced (parity.trace_rerun): `parity pair` does it by itself and names the first
-differing op; a saved state before the step is resumed from; PPO traces the actor's update."""
+of that step traced (parity.trace_rerun): `parity pair` (parity.pair.run_pair) does it by itself
+and names the first differing op, in its output and its summary.json; a saved state before the
+step is resumed from; PPO traces the actor's update."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from specs import PPO, SEQ_MEAN
 from parity.cli import main
 from parity.opdiff import compare_ops
 from parity.spec import JobSpec
-from parity.trace_rerun import saved_states, trace_first_divergence, traced_spec
+from parity.trace_rerun import saved_states, trace_first_divergence
+from worker.presets import traced as traced_spec
 
 # --- fast: what is rerun, from where ------------------------------------------------------------
 
 
 def test_traced_spec_stops_after_the_step_and_keeps_the_rest():
-    spec = JobSpec(steps=10, overrides={"save_state_at": 2, "val_every": 5}, inject=["x"])
+    spec = JobSpec(
+        task="charcount-sft", steps=10, overrides={"save_state_at": 2, "val_every": 5}, inject=["x"]
+    )
     traced = traced_spec(spec, 4, None)
     assert traced.overrides == {"val_every": 5, "trace_step": 4, "stop_after": 4}
     assert traced.steps == 10 and traced.inject == ["x"]  # the schedule is the full run's
@@ -44,7 +48,7 @@ def _fake_runs(tmp_path, states_a, states_b):
 def test_the_latest_state_both_sides_saved_before_the_step_is_resumed(tmp_path):
     dirs, calls, run_job = _fake_runs(tmp_path, [1, 3, 6], [1, 3])
     assert sorted(saved_states(dirs[0])) == [1, 3, 6]
-    spec = JobSpec(steps=10)
+    spec = JobSpec(task="charcount-sft", steps=10)
     rerun = trace_first_divergence(spec, spec, dirs, 5, tmp_path / "out", run_job=run_job)
     assert rerun.resumed_from == 3 and not rerun.reason
     assert [c[0].overrides["resume"] for c in calls] == [str(d / "state_step3") for d in dirs]
@@ -61,7 +65,7 @@ def test_what_cannot_be_rerun_says_why(tmp_path):
     custom = JobSpec(task="custom", command=["train.py", "{out}"])
     rerun = trace_first_divergence(custom, custom, dirs, 2, tmp_path / "o", run_job=run_job)
     assert "wrap step 2 of the loop in parity.record.trace_ops" in rerun.line() and not calls
-    spec = JobSpec(steps=3)
+    spec = JobSpec(task="charcount-sft", steps=3)
     rerun = trace_first_divergence(spec, spec, dirs, 0, tmp_path / "o", run_job=run_job)
     assert "before their first training step" in rerun.reason and not calls
 
@@ -73,7 +77,9 @@ def test_what_cannot_be_rerun_says_why(tmp_path):
 def test_pair_reruns_and_names_the_first_differing_op(tmp_path, capsys):
     out = tmp_path / "pair"
     code = main([
-        "pair", "--world", "2", "--steps", "3", "--inject-b", "missing-dp-factor",
+        "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
+        "--world", "2", "--steps", "3",
+        "--inject-b", "missing-dp-factor",
         "--out", str(out), "--json",
     ])  # fmt: skip
     data = json.loads(capsys.readouterr().out)
@@ -85,6 +91,9 @@ def test_pair_reruns_and_names_the_first_differing_op(tmp_path, capsys):
     assert any(line.startswith("op trace: both sides rerun from step 1") for line in
                data["diagnosis"]["lines"])  # fmt: skip
     assert (out / "a" / "ops").is_dir() and (out / "trace-b" / "ops").is_dir()
+    summary = json.loads((out / "summary.json").read_text())  # run_pair writes it after the rerun
+    assert summary["diagnosis"] == data["diagnosis"]  # names the first differing op too
+    assert summary["trace_rerun"] == data["trace_rerun"]
     report = (out / "report.md").read_text()
     assert "aten.mul.Tensor" in report and "op trace: both sides rerun" in report
     assert "op trace cost (rank 0): a " in report  # the traced step's seconds, ops and size
@@ -92,7 +101,7 @@ def test_pair_reruns_and_names_the_first_differing_op(tmp_path, capsys):
 
 @pytest.mark.parity
 def test_rerun_resumes_from_a_saved_state(parity_runner, tmp_path):
-    base = JobSpec(world_size=2, steps=3, overrides={"save_state_at": 1})
+    base = JobSpec(task="charcount-sft", world_size=2, steps=3, overrides={"save_state_at": 1})
     a = parity_runner.job(base)
     b = parity_runner.job(dataclasses.replace(base, inject=["missing-dp-factor"]))
     rerun = trace_first_divergence(a.spec, b.spec, (a.dir, b.dir), 2, tmp_path)

@@ -12,10 +12,14 @@ from parity.spec import JobSpec
 
 @pytest.mark.parity
 def test_resume_from_saved_state_is_bitwise_equal(parity_runner):
-    full = parity_runner.job(JobSpec(world_size=2, steps=20, overrides={"save_state_at": 10}))
+    full = parity_runner.job(
+        JobSpec(task="charcount-sft", world_size=2, steps=20, overrides={"save_state_at": 10})
+    )
     state = full.dir / "state_step10"
     assert (state / "dcp" / ".metadata").exists()
-    resumed = parity_runner.job(JobSpec(world_size=2, steps=20, overrides={"resume": str(state)}))
+    resumed = parity_runner.job(
+        JobSpec(task="charcount-sft", world_size=2, steps=20, overrides={"resume": str(state)})
+    )
     assert list(resumed.metrics.index) == list(range(11, 21))
     assert_parity(full.metrics.loc[11:], resumed.metrics)
 

@@ -12,16 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity.record import (
-    CPU_ISA,
-    Recorder,
-    console_line,
-    cpu_facts,
-    environment,
-    git_revision,
-    run_manifest,
-    write_json_atomic,
-)
+from parity.record import Recorder
+from parity.record.env import CPU_ISA, cpu_facts, environment, git_revision, run_manifest
+from parity.record.files import console_line, write_json_atomic
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -5,6 +5,22 @@ it). ``read_metrics`` picks the format by ``--format`` or by asking each in ``_M
 the specific ones (a TensorBoard event file, a W&B run) before the generic ones (JSON lines,
 CSV, and last of all verl's console lines, which may hide in any text).
 
+Installed packages add formats in the ``llm_parity.readers`` entry points, each giving a
+``Format`` or an iterable of them:
+
+    [project.entry-points."llm_parity.readers"]
+    mylog = "mypkg.readers:FORMATS"
+
+They are asked after the specific built-in formats and before the generic ones. They load
+lazily, once per process, the first time every format is needed (detection, a name that is no
+built-in one): a package that fails to import then fails the reads that need it, with a
+one-line ``ReaderPluginError`` naming its entry point, never ``import parity.readers`` (the
+CLI imports it for every command), and a read of a built-in format by name never loads them.
+A format name given twice (by two entry points, or one and a built-in) is that error too.
+``REGISTRY`` (name -> Format) is strict: it raises that error. ``FORMATS`` (the names, for
+argparse's choices and messages) never raises: with a plugin broken it holds the built-in
+names and lets any name through its ``in``, so that the read itself says what is wrong.
+
 A path that is no regular file or folder (a pipe, `<(zcat m.jsonl.gz)` i.e. /dev/fd/N, a named
 FIFO) can be read only once: ``read_metrics`` copies it whole into a temporary file (up to
 ``STREAM_LIMIT`` bytes) and detects and reads that copy, so no byte goes to format detection
@@ -20,12 +36,15 @@ import select
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 import pandas as pd
 
+from parity.errors import InputError
 from parity.readers.frame import (
     DUPLICATE_RULES,
     HEAD_BYTES,
@@ -49,6 +68,8 @@ __all__ = [
     "Format",
     "IncompleteRunError",
     "MetricsError",
+    "ReadOptionError",
+    "ReaderPluginError",
     "SkippedRecordsError",
     "detect",
     "present_mask",
@@ -58,8 +79,9 @@ __all__ = [
     "write_metrics",
 ]
 
-# detection order: specific formats first, generic text last
-_MODULES = (
+PLUGIN_GROUP = "llm_parity.readers"
+# detection order: specific formats first, then the plugins', then generic text last
+_SPECIFIC = (
     "hf",  # before tensorboard: HF's output_dir holds both, and trainer_state is float64
     "tensorboard",
     "wandb",
@@ -67,24 +89,126 @@ _MODULES = (
     "lightning",
     "nemo",
     "baselines",
-    "jsonl",
-    "csv_table",
-    "verl_console",
 )
+_GENERIC = ("jsonl", "csv_table", "verl_console")
+_MODULES = _SPECIFIC + _GENERIC
 
 
-def _registry() -> dict[str, Format]:
-    out: dict[str, Format] = {}
-    for name in _MODULES:
+class ReadOptionError(InputError):
+    """An option of read_metrics that names no format or duplicates rule."""
+
+
+class ReaderPluginError(InputError):
+    """A package's reader entry point that cannot be loaded, gives no Format, or gives a name
+    another format has; the message names the entry point."""
+
+
+def _builtin(modules: tuple[str, ...]) -> dict[str, tuple[Format, str]]:
+    """The formats of parity's own reader modules: name -> (Format, where it comes from)."""
+    out: dict[str, tuple[Format, str]] = {}
+    for name in modules:
         for fmt in importlib.import_module(f"parity.readers.{name}").FORMATS:
             if fmt.name in out:
                 raise RuntimeError(f"two readers named {fmt.name!r}")
-            out[fmt.name] = fmt
+            out[fmt.name] = (fmt, f"parity.readers.{name}")
     return out
 
 
-REGISTRY: dict[str, Format] = _registry()
-FORMATS: tuple[str, ...] = tuple(REGISTRY)
+_BUILTIN_SPECIFIC = _builtin(_SPECIFIC)
+_BUILTIN_GENERIC = _builtin(_GENERIC)
+_BUILTIN = {**_BUILTIN_SPECIFIC, **_BUILTIN_GENERIC}
+
+
+def _entry(ep: EntryPoint) -> str:
+    return f"{ep.name} = {ep.value} ({PLUGIN_GROUP})"
+
+
+def _formats_of(ep: EntryPoint) -> list[Format]:
+    """The Formats one entry point gives (a Format or an iterable of them)."""
+    try:
+        given = ep.load()
+    except Exception as e:  # the package's own failure, said with its entry point
+        said = (str(e).strip().splitlines() or [""])[0]
+        raise ReaderPluginError(f"reader plugin {_entry(ep)} cannot be loaded: "
+                                f"{type(e).__name__}: {said}") from None  # fmt: skip
+    if isinstance(given, Format):
+        return [given]
+    items = list(given) if isinstance(given, Iterable) and not isinstance(given, str) else None
+    if not items or not all(isinstance(f, Format) for f in items):
+        raise ReaderPluginError(f"reader plugin {_entry(ep)} gives {type(given).__name__}, "
+                                "not a parity.readers.Format or an iterable of them")  # fmt: skip
+    return items
+
+
+@cache
+def _registry() -> dict[str, Format]:
+    """Every format in detection order: specific built-ins, plugins (by entry point name),
+    generic built-ins. Raises ReaderPluginError for a plugin that cannot be used."""
+    seen = {name: f"the built-in {origin}" for name, (_, origin) in _BUILTIN.items()}
+    plugins: dict[str, Format] = {}
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: (e.name, e.value)):
+        for fmt in _formats_of(ep):
+            if fmt.name in seen:
+                raise ReaderPluginError(f"reader format {fmt.name!r} is given twice: by entry "
+                                        f"point {_entry(ep)} and by {seen[fmt.name]}")  # fmt: skip
+            seen[fmt.name] = f"entry point {_entry(ep)}"
+            plugins[fmt.name] = fmt
+    out = {name: fmt for name, (fmt, _) in _BUILTIN_SPECIFIC.items()}
+    out.update(plugins)
+    out.update((name, fmt) for name, (fmt, _) in _BUILTIN_GENERIC.items())
+    return out
+
+
+class _Registry(Mapping[str, Format]):
+    """name -> Format, the plugins' loaded at the first lookup of a name no built-in has, or at
+    the first walk over all (detection)."""
+
+    def __getitem__(self, name: str) -> Format:
+        return _BUILTIN[name][0] if name in _BUILTIN else _registry()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in _BUILTIN or name in _registry()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_registry())
+
+    def __len__(self) -> int:
+        return len(_registry())
+
+
+class _Names(Sequence[str]):
+    """The format names, in detection order, for choices and messages: never raises. With a
+    plugin broken, the built-in names, and any name is ``in``: the read says what is wrong."""
+
+    def _names(self) -> tuple[str, ...]:
+        try:
+            return tuple(_registry())
+        except ReaderPluginError:
+            return tuple(_BUILTIN_SPECIFIC) + tuple(_BUILTIN_GENERIC)
+
+    def __contains__(self, name: object) -> bool:
+        if name in _BUILTIN:
+            return True
+        try:
+            return name in _registry()
+        except ReaderPluginError:
+            return True
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._names()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+REGISTRY: Mapping[str, Format] = _Registry()
+FORMATS: Sequence[str] = _Names()
 STREAM_LIMIT = 2 << 30  # bytes of a pipe or FIFO read into a temporary copy
 FIFO_WAIT_S = 30.0  # how long a FIFO may wait for a writer (and its first bytes)
 _CHUNK = 1 << 20
@@ -216,9 +340,13 @@ def read_metrics(
     bits: "error" (default) names it; "first" or "last" keeps one and says so in attrs["notes"].
     """
     if fmt is not None and fmt not in REGISTRY:
-        raise ValueError(f"unknown metrics format {fmt!r}; expected one of {', '.join(FORMATS)}")
+        raise ReadOptionError(
+            f"unknown metrics format {fmt!r}; expected one of {', '.join(REGISTRY)}"
+        )
     if duplicates not in DUPLICATE_RULES:
-        raise ValueError(f"unknown duplicates rule {duplicates!r}; expected first, last or error")
+        raise ReadOptionError(
+            f"unknown duplicates rule {duplicates!r}; expected first, last or error"
+        )
     given = Path(path)
     if not given.exists():
         raise MetricsError(f"{given}: cannot read: no such file or folder")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from parity.readers.frame import (
     FLOAT64,
-    MAX_STEP,
     UNFIT,
     Cells,
     Format,
     ReadLog,
     ReadOptions,
+    beyond_max_step,
     fail,
     finish,
     text_float,
@@ -54,7 +54,7 @@ def read_csv_cells(text: str, path: Path, log: ReadLog | None = None) -> Cells:
             if len(row) != len(names):
                 raise fail(path, lineno, f"expected {len(names)} fields, got {len(row)}")
             raw_step = row[si].strip()
-            if not re.fullmatch(r"[0-9]+", raw_step, re.ASCII) or int(raw_step) > MAX_STEP:
+            if not re.fullmatch(r"[0-9]+", raw_step, re.ASCII) or beyond_max_step(raw_step):
                 raise fail(path, lineno, f"step must be a non-negative integer, got {raw_step!r}")
             group = cells.record(int(raw_step), lineno)  # a step's rows merge (Cells)
             for i, cell in enumerate(row):

@@ -45,7 +45,16 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
+from parity.errors import InputError
+
 MAX_STEP = 2**63 - 1
+
+
+def beyond_max_step(digits: str) -> bool:
+    """Whether a string of ASCII digits is a step past MAX_STEP, told without int() of all of it
+    (Python refuses int() of more than 4300 digits with a bare ValueError)."""
+    digits = digits.lstrip("0")
+    return len(digits) > len(str(MAX_STEP)) or int(digits or "0") > MAX_STEP
 DUPLICATE_RULES = ("error", "first", "last")
 Duplicates = Literal["error", "first", "last"]
 FLOAT64, FLOAT32 = "float64", "float32"
@@ -75,7 +84,7 @@ def clip_message(msg: str) -> str:
     return msg[: HARD_MESSAGE - tail - 5] + " ... " + msg[-tail:]
 
 
-class MetricsError(ValueError):
+class MetricsError(InputError):
     """A metrics source that cannot be read exactly; the message names the file and the line or
     record, clipped (``clip_message``) so a huge value cannot make it huge."""
 

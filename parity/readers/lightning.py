@@ -43,7 +43,6 @@ import pandas as pd
 
 from parity.readers.frame import (
     FLOAT64,
-    MAX_STEP,
     UNFIT,
     Cells,
     Duplicates,
@@ -51,6 +50,7 @@ from parity.readers.frame import (
     MetricsError,
     ReadLog,
     ReadOptions,
+    beyond_max_step,
     fail,
     finish,
     text_float,
@@ -123,7 +123,7 @@ def _read_rows(text: str, file: Path, log: ReadLog) -> Cells:
             if not raw_step:
                 log.skip(NO_STEP, lineno)
                 continue
-            if not (raw_step.isascii() and raw_step.isdigit()) or int(raw_step) > MAX_STEP:
+            if not (raw_step.isascii() and raw_step.isdigit()) or beyond_max_step(raw_step):
                 log.skip(BAD_STEP, lineno)
                 continue
             step = int(raw_step)

@@ -36,7 +36,6 @@ import pandas as pd
 from parity.readers.frame import (
     FLOAT32,
     FLOAT64,
-    MAX_STEP,
     UNFIT,
     Cells,
     Format,
@@ -45,6 +44,7 @@ from parity.readers.frame import (
     Unfit,
     assemble,
     bad_key,
+    beyond_max_step,
     fail,
     finish,
     unfit,
@@ -396,9 +396,9 @@ def _line_cells(
 ) -> tuple[int, list[tuple[str, float, str]], list[str]] | str:
     """A step line's step, (key, value, precision) cells and the keys whose number a float64
     cannot hold, or why it does not parse."""
+    if beyond_max_step(m[1]):
+        return f"step {m[1][:30]}{'...' if len(m[1]) > 30 else ''} does not fit int64"
     step = int(m[1])
-    if step > MAX_STEP:
-        return f"step {step} does not fit int64"
     out, unfit_keys = [], []
     for token in _RAY_REPEATED.sub("", m[2]).split(" - "):
         key, colon, raw = token.rpartition(":")

@@ -68,7 +68,7 @@ def _lines(frame: pd.DataFrame, fmt: str) -> list[str]:
             cells = dict(kv)
             writer.writerow([s, *(repr(cells[n]) if n in cells else "" for n in names)])
         return buf.getvalue().splitlines()
-    raise ValueError(f"unknown metrics format {fmt!r}; expected one of {', '.join(WRITABLE)}")
+    raise MetricsError(f"unknown metrics format {fmt!r}; expected one of {', '.join(WRITABLE)}")
 
 
 def write_metrics(frame: pd.DataFrame, path: str | os.PathLike[str], fmt: str) -> None:

@@ -25,48 +25,19 @@ The bottom layer: it imports only torch and the standard library (nothing from t
 
 from __future__ import annotations
 
-# lazy (PEP 562): the harness's own modules import parity.record.files without torch
+# lazy (PEP 562): the harness's own modules import parity.record.files without torch. What a
+# training loop calls; the rest (the environment, atomic writes) is in the submodules.
 _HOMES = {
-    "DIGEST_SIZE": "digest",
     "DataDigest": "digest",
     "model_fingerprint": "digest",
-    "parse_steps": "digest",
     "tensor_hash": "digest",
-    "CPU_ISA": "env",
-    "cpu_facts": "env",
-    "determinism_flags": "env",
-    "environment": "env",
-    "git_revision": "env",
-    "run_manifest": "env",
-    "console_line": "files",
-    "write_json_atomic": "files",
-    "write_text_atomic": "files",
     "OpTracer": "optrace",
     "trace_ops": "optrace",
     "Recorder": "recorder",
     "record_run": "recorder",
 }
 
-__all__ = [
-    "CPU_ISA",
-    "DIGEST_SIZE",
-    "DataDigest",
-    "OpTracer",
-    "Recorder",
-    "console_line",
-    "cpu_facts",
-    "determinism_flags",
-    "environment",
-    "git_revision",
-    "model_fingerprint",
-    "parse_steps",
-    "record_run",
-    "run_manifest",
-    "tensor_hash",
-    "trace_ops",
-    "write_json_atomic",
-    "write_text_atomic",
-]
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str):

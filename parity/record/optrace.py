@@ -117,6 +117,18 @@ def _source() -> str | None:
     return None
 
 
+def _module_tracker() -> Any:
+    """torch's tracker of the modules running: ModTracker, else (torch 2.4 has none) its
+    predecessor ModuleTracker, with the same `parents` and `_get_mod_name`. Backward ops are
+    named by `OpTracer._label_graph` either way, the tracker only where no module's forward
+    made the node."""
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except ImportError:
+        from torch.utils.module_tracker import ModuleTracker as ModTracker
+    return ModTracker()
+
+
 class OpTracer(TorchDispatchMode):
     """Records every aten op run on plain tensors while active (see the module docstring)."""
 
@@ -126,14 +138,12 @@ class OpTracer(TorchDispatchMode):
         super().__init__()
         self.model = model
         self._names: dict[tuple, str] | None = None  # memory -> parameter (or .grad)
-        from torch.distributed._tools.mod_tracker import ModTracker
-
         self.records: list[dict[str, Any]] = []
         self.values: dict[str, torch.Tensor] = {}
         self.value_bytes, self.max_value_bytes = 0, max_value_bytes
         self.values_dropped = 0
         self._counts: dict[tuple[str, str, str], int] = {}
-        self.tracker = ModTracker()
+        self.tracker = _module_tracker()
         self._stack: contextlib.ExitStack | None = None
         self._node_module: dict[Any, str] = {}  # autograd node -> the module whose forward made it
 
