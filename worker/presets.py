@@ -119,5 +119,5 @@ def _preset(name: str, summary: str, module: str) -> Task:
     return Task(name, summary, KEYS, job_args(module), check, side_key="trainer", traced=traced)
 
 
-SFT = _preset("charcount-sft", "supervised fine-tuning of the tiny Qwen2 (worker.sft)", "worker.sft")
+SFT = _preset("charcount-sft", "fine-tuning of the tiny Qwen2 (worker.sft)", "worker.sft")
 PPO = _preset("charcount-ppo", "PPO from the SFT-warmed actor (worker.ppo)", "worker.ppo")
