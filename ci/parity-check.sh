@@ -12,7 +12,7 @@ OUT="${PARITY_REPORT_DIR:-parity-report}"
 PYTHON="${PYTHON:-python3}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-"$PYTHON" -m pip install --quiet --disable-pip-version-check -e .
+"$PYTHON" -m pip install --quiet --disable-pip-version-check -e ./worker -e '.[test]'
 "$PYTHON" -m pytest -m parity
 
 status=0
