@@ -32,6 +32,7 @@ from parity.launch import LaunchError
 from parity.outdir import OutDir
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
 from parity.revisions import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
+from parity.runs import ALLOCATION, holding
 from parity.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 
@@ -268,12 +269,15 @@ def bisect(
     with OutDir.open(out) as held:
         held.claim(*BISECT_ENTRIES)  # an earlier bisect's runs and verdicts go; the user's stay
         held.make_dir("commits")
-        return _bisect(spec, root, good_c, bad_c, out, policies, reading)
+        with holding(spec, held) as shared:  # Slurm: every probe on the same nodes
+            return _bisect(spec, root, good_c, bad_c, out, policies, reading, shared)
 
 
 #: what a bisection writes in its folder: the reference run, the tested commits' runs and
 #: verdicts, the result and git's log
-BISECT_ENTRIES = ("good", "good" + LAUNCH_SUFFIX, "commits", "bisect.json", "bisect.log")
+BISECT_ENTRIES = (
+    "good", "good" + LAUNCH_SUFFIX, "commits", ALLOCATION, "bisect.json", "bisect.log",
+)  # fmt: skip
 
 
 def _bisect(
@@ -284,9 +288,12 @@ def _bisect(
     out: Path,
     policies: dict[str, Policy | str] | None,
     reading: _Reading,
+    shared: Path | None = None,
 ) -> BisectResult:
+    """The bisection itself; ``shared``: where the worktrees go (a Slurm launcher's folder on
+    the file system the nodes share), default the system's temp folder."""
     reference = out / "good"
-    with worktree(root, good_c) as tree:
+    with worktree(root, good_c, shared) as tree:
         _say(f"reference run of good {good_c[:12]} {_subject(root, good_c)}")
         run_in_tree(spec, tree, reference, label=f"good {good_c[:12]}")
     if reading.frame(reference).attrs.get("complete") is False:  # fail once, not in every step
@@ -295,7 +302,7 @@ def _bisect(
         spec, reference, out, dict(policies or {}), reading, good_c, bad_c,
         _expected_tests(root, good_c, bad_c),
     )  # fmt: skip
-    with worktree(root, bad_c) as tree:
+    with worktree(root, bad_c, shared) as tree:
         _say(f"checking that bad {bad_c[:12]} diverges")
         if state.test(tree, skip_failed=False).verdict == "aligned":
             result = state.result("aligned")

@@ -24,6 +24,7 @@ from parity.readers import DUPLICATE_RULES, FORMATS, read_metrics
 from parity.readers.frame import clip_message
 from parity.report import build_report
 from parity.spec import (
+    LAUNCHER_KINDS,
     JobSpec,
     PairSpec,
     SpecError,
@@ -63,6 +64,8 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
         print(comparison.table())
         for line in (extra or {}).get("diagnosis", {}).get("lines", []):  # parity.diagnose
             print(f"diagnosis: {line}")
+        if (extra or {}).get("topology"):
+            print(f"topology: {extra['topology']}")
         print(f"verdict: {comparison.verdict}")
     return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
 
@@ -93,14 +96,35 @@ def _job_from_args(args: argparse.Namespace) -> JobSpec | PairSpec:
              "seed": args.seed, "timeout_s": args.timeout}  # fmt: skip
     changes.update({k: v for k, v in flags.items() if v is not None})
     if args.task:
-        return JobSpec.from_dict({"task": args.task, **changes}, "the command line")
+        job = JobSpec.from_dict({"task": args.task, **changes}, "the command line")
+        return _with_launcher(job, args, "the command line")
     loaded = load_spec(args.spec)
-    if not changes:
-        return loaded
+    base = loaded if isinstance(loaded, JobSpec) else loaded.base
+    if changes:
+        base = _change(base, changes, f"{args.spec} with --set")
+    base = _with_launcher(base, args, f"{args.spec} with --launcher")
     if isinstance(loaded, JobSpec):
-        return _change(loaded, changes, f"{args.spec} with --set")
-    changed = _change(loaded.base, changes, f"{args.spec} with --set")
-    return PairSpec(changed, loaded.a, loaded.b, loaded.source)
+        return base
+    return PairSpec(base, loaded.a, loaded.b, loaded.source)
+
+
+def _launcher_change(args: argparse.Namespace, spec: JobSpec) -> dict | None:
+    """--launcher KIND and --parallel over the spec's [launcher] table (None: neither given)."""
+    kind, parallel = getattr(args, "launcher", None), getattr(args, "parallel", False)
+    if kind is None and not parallel:
+        return None
+    table = spec.launcher.to_dict()
+    if kind is not None and kind != table.get("kind", "local"):
+        table = {"kind": kind}  # another kind's keys do not carry over
+    if parallel:
+        table["parallel"] = True
+    return table
+
+
+def _with_launcher(spec: JobSpec, args: argparse.Namespace, source: str) -> JobSpec:
+    """The spec with --launcher (and pair's --parallel) over its [launcher] table."""
+    table = _launcher_change(args, spec)
+    return spec if table is None else _change(spec, {"launcher": table}, source)
 
 
 def _change(spec: JobSpec, changes: dict, source: str) -> JobSpec:
@@ -224,7 +248,31 @@ def cmd_compare(args: argparse.Namespace) -> int:
         allow_incomplete=args.allow_incomplete,
         allow_skipped=args.allow_skipped,
     )
-    return _report(comparison, args.json, {"diagnosis": _diagnosis(args.a, args.b, comparison)})
+    extra = {"diagnosis": _diagnosis(args.a, args.b, comparison)}
+    line = _topology_line(args.a, args.b, comparison.verdict)
+    if line:
+        extra["topology"] = line
+    return _report(comparison, args.json, extra)
+
+
+def _run_folder(path: str) -> Path:
+    """The run folder of a metrics file or folder given on the command line."""
+    return Path(path) if Path(path).is_dir() else Path(path).parent
+
+
+def _topology_notes(a: str, b: str) -> list[str]:
+    """The report's notes on where each run ran (Slurm) and whether that differed."""
+    from parity.pair import topology_notes
+
+    return topology_notes(_run_folder(a), _run_folder(b), "")
+
+
+def _topology_line(a: str, b: str, verdict: str) -> str:
+    """The line saying the two runs ran on different nodes (parity.topology), or ''."""
+    from parity import topology
+
+    found = [topology.read(_run_folder(p)) for p in (a, b)]
+    return topology.line(*found, verdict)
 
 
 def _diagnosis(a, b, comparison: Comparison) -> dict:
@@ -245,6 +293,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         allow_skipped=args.allow_skipped,
         read_a=_read_options(args, "a"),
         read_b=_read_options(args, "b"),
+        notes=_topology_notes(args.a, args.b),
     )
     md = report.write(Path(args.out))
     html = md.with_name("report.html")
@@ -266,6 +315,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     loaded = load_spec(args.spec)
     if not isinstance(loaded, JobSpec):
         raise SpecError(f"{args.spec}: check runs one job spec on both sides, not an [a]/[b] pair")
+    loaded = _with_launcher(loaded, args, f"{args.spec} with --launcher")
     out, policies = Path(args.out), _with_spec(_policies(args.policy), args.spec)
     read = _run_read_options(args)
     if args.golden is not None:
@@ -312,8 +362,12 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
     policies = _with_spec(_policies(args.policy), args.spec)
     read = _run_read_options(args)
+    loaded = load_spec(args.spec)
+    if not isinstance(loaded, JobSpec):
+        raise SpecError(f"{args.spec}: bisect runs one job spec, not an [a]/[b] pair")
+    loaded = _with_launcher(loaded, args, f"{args.spec} with --launcher")
     result = bisect(
-        args.spec, args.good, args.bad, Path(args.out), policies=policies,
+        loaded, args.good, args.bad, Path(args.out), policies=policies,
         fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
         allow_skipped=read["allow_skipped"],
     )  # fmt: skip
@@ -426,6 +480,12 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT")
     pair.add_argument("--out", required=True)
+    pair.add_argument(
+        "--parallel", action="store_true",
+        help="with --launcher slurm: each side a job of its own, both at once, on whatever nodes "
+        "Slurm gives (default: one allocation, the sides one after the other on the same nodes; "
+        "across different nodes only a tolerance verdict is meaningful)",
+    )  # fmt: skip
     pair.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
     pair.add_argument(
         "--noise-floor",
@@ -471,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     check.add_argument("--out", default="runs/check", help="run folders and report")
     check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
+    _launcher_argument(check)
     _run_read_arguments(check)
     check.set_defaults(func=cmd_check)
 
@@ -481,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--bad", required=True, help="a later revision whose run diverges")
     bis.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
+    _launcher_argument(bis)
     _run_read_arguments(bis)
     bis.set_defaults(func=cmd_bisect)
 
@@ -538,6 +600,15 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    _launcher_argument(parser)
+
+
+def _launcher_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launcher", choices=LAUNCHER_KINDS, default=None,
+        help="where the torchruns run: local (this machine, default) or slurm (sbatch from "
+        "here; the spec's [launcher] table sets nodes, partition, time, sbatch_args)",
+    )  # fmt: skip
 
 
 def _run_read_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from parity import world
 from parity.signals import deferred
@@ -78,10 +79,17 @@ class RankFailure:
     signal: str | None
     log_tail: str
     local_rank: int | None = None
+    #: the node it ran on (a Slurm node's name), '' when the launch was on this machine
+    host: str = ""
+    #: set (rank -1) when a node's torchrun itself died, not one of its ranks
+    node: int | None = None
 
     def headline(self) -> str:
         how = f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
-        return f"rank {self.rank}: {how}"
+        where = f" on {self.host}" if self.host else ""
+        if self.rank < 0 and self.node is not None:
+            return f"node {self.node}{where}: torchrun {how}"
+        return f"rank {self.rank}{where}: {how}"
 
 
 @dataclass
@@ -115,6 +123,9 @@ class LaunchResult:
     started_at: float = 0.0
     #: The ranks' records of the process group each joined (parity.world).
     world_dir: Path | None = None
+    #: Where the ranks ran: launcher ("local", "slurm"), node names by node rank, ranks per
+    #: node, and with Slurm the job id and its variables (written as topology.json).
+    topology: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -159,8 +170,10 @@ class LaunchResult:
             "timed_out": self.timed_out,
             "run_dir": str(self.run_dir),
             "failures": [
-                {"rank": f.rank, "exitcode": f.exitcode, "signal": f.signal} for f in self.failures
-            ],
+                {"rank": f.rank, "exitcode": f.exitcode, "signal": f.signal,
+                 **({"host": f.host} if f.host else {})}
+                for f in self.failures
+            ],  # fmt: skip
             **({"note": self.note} if self.note else {}),
             **({"fault": self.fault} if self.fault else {}),
         }
@@ -172,7 +185,7 @@ class LaunchResult:
             return ""
         parts = []
         for path in (err.with_name("stdout.log"), err):
-            text = _tail_file(path, n_lines)
+            text = tail_file(path, n_lines)
             if text:
                 parts.append(f"[{path.name}]\n{text}")
         return "\n".join(parts)
@@ -223,8 +236,31 @@ class LaunchResult:
             lines.append(_indent(tail or "<no log>"))
         if not self.failures and self.launcher_log is not None:
             lines += ["no rank failure found; launcher log tail:"]
-            lines.append(_indent(_tail_file(self.launcher_log, n_lines) or "<empty>"))
+            lines.append(_indent(tail_file(self.launcher_log, n_lines) or "<empty>"))
         return "\n".join(lines)
+
+
+class Launcher(Protocol):
+    """What starts a job's torchruns and waits for them: ``launch`` (one here),
+    ``launch_nodes`` (one per node here), ``parity.slurm.launch`` (Slurm steps), bound to
+    their own keywords (parity.runs.launcher_for). Each kills what it started on any exception,
+    Ctrl-C and SIGTERM included, and says what happened in a ``LaunchResult``."""
+
+    def __call__(
+        self,
+        module_or_script_args: list[str],
+        *,
+        nproc: int,
+        run_dir: Path,
+        timeout_s: float = ...,
+        env: Mapping[str, str] | None = ...,
+        torchrun_args: Sequence[str] = ...,
+        cwd: Path | str | None = ...,
+        on_tick: Callable[[], None] | None = ...,
+        finished: Callable[[], bool] | None = ...,
+        exit_grace_s: float = ...,
+        expect_world: int | None = ...,
+    ) -> LaunchResult: ...
 
 
 class LaunchError(RuntimeError):
@@ -336,7 +372,7 @@ def launch(
         timeout_s=timeout_s,
         launcher_log=launcher_log,
         launch_id=launch_id,
-        rank_logs=_find_rank_logs(log_dir, before),
+        rank_logs=find_rank_logs(log_dir, before),
         world_dir=world_dir,
     )
     if expect_world is not None:
@@ -348,7 +384,7 @@ def launch(
             f"killed as hung at exit"
         )
     if not result.ok and not timed_out:
-        result.failures = _parse_failures(launcher_log.read_text(errors="replace"), result)
+        result.failures = parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
 
 
@@ -485,7 +521,7 @@ def _merge_nodes(
         run_dir=run_dir,
         timeout_s=timeout_s,
         failures=sorted(
-            (f for _, r in sorted(results.items()) for f in r.failures), key=_secondary
+            (f for _, r in sorted(results.items()) for f in r.failures), key=secondary
         ),
         nodes=dict(sorted(results.items())),
     )
@@ -503,7 +539,7 @@ def _merge_nodes(
 def _rendezvous_timed_out(result: LaunchResult) -> bool:
     if result.ok or result.launcher_log is None:
         return False
-    return "RendezvousTimeoutError" in _tail_file(result.launcher_log, 200)
+    return "RendezvousTimeoutError" in tail_file(result.launcher_log, 200)
 
 
 def survivors(launch_id: str, pgid: int | None = None) -> list[int]:
@@ -580,7 +616,7 @@ def _has_rdzv_args(torchrun_args: Sequence[str]) -> bool:
     return any(a.split("=", 1)[0] in _RDZV_FLAGS for a in torchrun_args)
 
 
-def _find_rank_logs(log_dir: Path, before: set[str]) -> dict[int, Path]:
+def find_rank_logs(log_dir: Path, before: set[str]) -> dict[int, Path]:
     """Map local rank -> stderr.log of the last attempt of this launch.
 
     torch 2.13 layout: ``<log_dir>/<rdzv_id>_<random>/attempt_<k>/<local_rank>/{stdout,stderr}.log``
@@ -599,7 +635,8 @@ def _find_rank_logs(log_dir: Path, before: set[str]) -> dict[int, Path]:
     }
 
 
-def _signal_name(exitcode: int) -> str | None:
+def signal_name(exitcode: int) -> str | None:
+    """SIGKILL for -9 (an exit code as Popen gives a killed process's); None for an exit."""
     if exitcode >= 0:
         return None
     try:
@@ -608,7 +645,7 @@ def _signal_name(exitcode: int) -> str | None:
         return f"signal {-exitcode}"
 
 
-def _parse_failures(launcher_text: str, result: LaunchResult) -> list[RankFailure]:
+def parse_failures(launcher_text: str, result: LaunchResult) -> list[RankFailure]:
     """Failed ranks from torchrun's summary, the most likely root cause first.
 
     torchrun names the failure with the earliest (1 s resolution) timestamp as root cause; ties
@@ -633,17 +670,17 @@ def _parse_failures(launcher_text: str, result: LaunchResult) -> list[RankFailur
             continue
         seen.add(rank)
         tail = result.tail(local)
-        failures.append(RankFailure(rank, code, _signal_name(code), tail, local))
+        failures.append(RankFailure(rank, code, signal_name(code), tail, local))
 
-    return sorted(failures, key=_secondary)  # stable: keeps torchrun's order otherwise
+    return sorted(failures, key=secondary)  # stable: keeps torchrun's order otherwise
 
 
-def _secondary(f: RankFailure) -> bool:
+def secondary(f: RankFailure) -> bool:
     """A rank that probably died only because a peer died first (SIGTERM, connection closed)."""
     return f.signal == "SIGTERM" or any(m in f.log_tail for m in _SECONDARY_MARKERS)
 
 
-def _tail_file(path: Path, n_lines: int, max_bytes: int = 256 * 1024) -> str:
+def tail_file(path: Path, n_lines: int, max_bytes: int = 256 * 1024) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity import runs
+from parity import runs, topology
 from parity.compare import Comparison, Policy, compare_frames, printable
 from parity.diagnose import Diagnosis, diagnose
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
@@ -29,7 +29,7 @@ from parity.launch import LaunchResult
 from parity.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
 from parity.outdir import OutDir
 from parity.runs import Run
-from parity.spec import JobSpec, PairSpec
+from parity.spec import JobSpec, PairSpec, SpecError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -100,9 +100,10 @@ class PairResult:
         return ("A", "A' (A again)") if self.verdict == NONDETERMINISTIC else ("A", "B")
 
     def notes(self) -> list[str]:
-        """The report's notes: the teardown failure, the op-trace rerun's line."""
+        """The report's notes: the teardown failure, where each side ran (Slurm) and whether
+        that differed, the op-trace rerun's line."""
         rerun = [self.trace_rerun.line()] if self.trace_rerun is not None else []
-        return teardown_notes(self) + rerun
+        return teardown_notes(self) + topology_notes(self.a.dir, self.b.dir, self.verdict) + rerun
 
 
 def teardown_verdict(
@@ -128,6 +129,16 @@ def teardown_line(teardown: list[tuple[str, LaunchResult]], comparison: Comparis
         f"teardown failure after complete metrics: {'; '.join(parts)}; "
         f"metrics compared anyway: {comparison.verdict}"
     )
+
+
+def topology_notes(a_dir: Path, b_dir: Path, verdict: str) -> list[str]:
+    """Where each side ran when it was not this machine (Slurm), and the line saying the
+    sides' topologies differ (parity.topology) when they do."""
+    a, b = topology.read(a_dir), topology.read(b_dir)
+    notes = [f"side {side}: {topology.describe(t)}" for side, t in (("A", a), ("B", b))
+             if t.get("launcher", "local") != "local" and topology.describe(t)]  # fmt: skip
+    differs = topology.line(a, b, verdict)
+    return notes + ([differs] if differs else [])
 
 
 def teardown_notes(result: PairResult | CheckResult) -> list[str]:
@@ -219,13 +230,19 @@ def run_pair(
     names the first differing op. report: write report.md / report.html (``result.report``).
     """
     out = Path(out).resolve()
+    spec_a, _ = pair.sides()
+    if in_process and spec_a.launcher.kind != "local":
+        raise SpecError("in-process runs both sides in one launch on this machine; not with "
+                        f"launcher {spec_a.launcher.kind!r}")  # fmt: skip
     with OutDir.open(out) as held:
         held.claim(*PAIR_ENTRIES)  # before anything runs: refused if the user's is in the way
-        result = run_sides(
-            pair, out, policies, in_process,
-            allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
-        )  # fmt: skip
-        return finish_pair(result, trace=trace, report=report)
+        with runs.holding(spec_a, held):  # Slurm: the sides in one allocation
+            result = run_sides(
+                pair, out, policies, in_process,
+                allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
+            )  # fmt: skip
+            return finish_pair(result, trace=trace, report=report)
+
 
 
 #: what a pair writes in its folder: the sides' run and launch folders, the noise floor's
@@ -234,7 +251,7 @@ PAIR_ENTRIES = tuple(
     name
     for side in ("a", "b", "a-repeat", "trace-a", "trace-b")
     for name in (side, side + LAUNCH_SUFFIX)
-) + ("in-process", "summary.json", "summary.md", "report.md", "report.html")
+) + ("in-process", runs.ALLOCATION, "summary.json", "summary.md", "report.md", "report.html")
 
 
 def run_sides(
@@ -259,6 +276,15 @@ def run_sides(
         from parity.inprocess import run_pair_in_process
 
         a, b = run_pair_in_process(pair, out, allow_teardown_failure=True)
+    elif a is None and spec_a.launcher.parallel:  # each side a Slurm job of its own, at once
+        from parity.slurm import run_parallel
+
+        a, b = run_parallel([
+            lambda: runs.run_job(spec_a, out / "a", label=side_label("a", spec_a),
+                                 allow_teardown_failure=True),
+            lambda: runs.run_job(spec_b, out / "b", label=side_label("b", spec_b),
+                                 allow_teardown_failure=True),
+        ])  # fmt: skip
     else:
         if a is None:
             a = runs.run_job(
@@ -347,8 +373,14 @@ def write_summary(result: PairResult) -> None:
         summary["trace_rerun"] = result.trace_rerun.to_dict()
     if result.floor is not None:
         summary["noise_floor"] = result.floor.to_dict()
+    where = {side: topology.read(run.dir) for side, run in (("a", result.a), ("b", result.b))}
+    if any(where.values()):
+        summary["topology"] = {**where, "line": topology.line(where["a"], where["b"],
+                                                               result.verdict)}  # fmt: skip
     write_json_atomic(result.dir / "summary.json", summary)
     note = f"\n{result.teardown_line()}\n" if result.teardown else ""
+    if summary.get("topology", {}).get("line"):
+        note += f"\n{summary['topology']['line']}\n"
     if result.floor is not None:
         note += f"\n```\n{result.floor.table()}\n```\n"
     table = result.comparison.table()  # in a fence longer than any backtick run: a metric name

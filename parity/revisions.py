@@ -25,10 +25,10 @@ from parity.errors import InputError
 from parity.files import launch_dir
 from parity.launch import LaunchError, LaunchResult
 from parity.outdir import OutDir
-from parity.pair import teardown_line, teardown_notes, teardown_verdict
+from parity.pair import teardown_line, teardown_notes, teardown_verdict, topology_notes
 from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
 from parity.report import Report, build_report
-from parity.runs import detected, launch_spec, mark_teardown
+from parity.runs import detected, holding, launch_spec, mark_teardown
 from parity.signals import deferred
 from parity.spec import READ_OPTIONS, JobSpec
 
@@ -109,8 +109,10 @@ def resolve_revision(repo: Path, rev: str) -> str:
 
 
 @contextmanager
-def worktree(repo: Path, commit: str) -> Iterator[Path]:
-    """A detached checkout of ``commit`` in a temp folder, removed and pruned on exit.
+def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Path]:
+    """A detached checkout of ``commit`` in a temp folder (in ``parent``: a Slurm launcher's
+    folder on the file system the nodes share; default the system's temp folder), removed and
+    pruned on exit.
 
     A signal (parity.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
     removed: git killed half-way through `worktree add` leaves it registered and locked.
@@ -118,7 +120,7 @@ def worktree(repo: Path, commit: str) -> Iterator[Path]:
     tmp = None
     try:
         with deferred():
-            tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-"))
+            tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-", dir=parent))
             path = tmp / commit[:12]
             hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch it
             git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
@@ -215,9 +217,11 @@ def check_revisions(
     launches = {}
     with OutDir.open(out) as held:
         held.claim(*_run_names(dirs.values()))
-        for side, label in zip(revs, labels, strict=True):
-            with worktree(root, commits[side]) as tree:
-                launches[side] = run_in_tree(spec, tree, dirs[side], True, label=label)
+        with holding(spec, held) as shared:  # Slurm: both revisions on the same nodes
+            for side, label in zip(revs, labels, strict=True):
+                with worktree(root, commits[side], shared) as tree:
+                    launches[side] = run_in_tree(spec, tree, dirs[side], True, label=label)
+        notes += topology_notes(dirs["base"], dirs["head"], "")
         report = build_report(
             dirs["base"], dirs["head"], policies, labels=labels, notes=notes, **_read(read)
         )

@@ -8,21 +8,24 @@ beside it in RUN.launch/.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parity.files import launch_dir
-from parity.launch import LaunchError, LaunchResult, launch, launch_nodes
+from parity.files import launch_dir, write_json_atomic
+from parity.launch import Launcher, LaunchError, LaunchResult, launch, launch_nodes
 from parity.outdir import OutDir
 from parity.readers import MetricsError, detect, read_metrics
 from parity.spec import JobSpec
@@ -149,6 +152,21 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
     return last.startswith(b'{"event": "end"')
 
 
+def launcher_for(spec: JobSpec, label: str = "") -> Launcher:
+    """The launcher of ``spec`` (parity.launch.Launcher): one torchrun here, one per node here
+    (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.slurm, ``spec.launcher``)."""
+    if spec.launcher.kind == "slurm":
+        from parity import slurm
+
+        return functools.partial(
+            slurm.launch, launcher=spec.launcher, nnodes=spec.nnodes, label=label
+        )
+    if spec.nnodes > 1:
+        join_s = min(60.0, spec.timeout_s)
+        return functools.partial(launch_nodes, nnodes=spec.nnodes, join_timeout_s=join_s)
+    return launch
+
+
 def launch_spec(
     spec: JobSpec,
     out: Path,
@@ -163,7 +181,9 @@ def launch_spec(
     ``out`` and its launch folder (parity.files.launch_dir: launcher.log, rank logs, the world
     records) are made fresh and empty, each removed first only if this harness made it
     (parity.outdir). The job runs with the spec's env (then ``env``: PYTHONPATH for a worktree),
-    one torchrun per node; a distributed job whose ranks did not form one group of
+    one torchrun per node, on this machine or, with a Slurm launcher (``spec.launcher``), as a
+    step of the held allocation (``holding``; parity.slurm); where they ran is written as the
+    launch folder's topology.json. A distributed job whose ranks did not form one group of
     ``spec.world_size``, or one that exited 0 having written nothing at all, is failed.
     """
     out = Path(out).resolve()
@@ -185,21 +205,42 @@ def launch_spec(
             expect_world=spec.world_size if spec.distributed else None,
         )
         try:
-            if spec.nnodes > 1:
-                join_s = min(60.0, spec.timeout_s)
-                result = launch_nodes(
-                    spec.to_args(out), nnodes=spec.nnodes, join_timeout_s=join_s, **common
-                )
-            else:
-                result = launch(spec.to_args(out), **common)
+            result = launcher_for(spec, label)(spec.to_args(out), **common)
         except BaseException:
             progress.close(interrupted=True)
             raise
         progress.close()
+        if not result.topology:  # this machine: every node rank on it
+            result.topology = {"launcher": "local", "nodes": [socket.gethostname()] * spec.nnodes,
+                               "nproc_per_node": spec.nproc_per_node}  # fmt: skip
+        write_json_atomic(logs / "topology.json", result.topology)
     result.started_at = since
     if result.ok and not any(out.iterdir()):
         result.set_fault("no-output", f"the job exited 0 but wrote nothing in {out}")
     return result
+
+
+ALLOCATION = "allocation"  # the folder of a pair's (check's, bisect's) one Slurm allocation
+
+
+@contextlib.contextmanager
+def holding(spec: JobSpec, held: OutDir) -> Iterator[Path | None]:
+    """Every launch of ``spec``'s launcher inside the block shares one allocation (Slurm: the
+    sides of a pair, check's revisions, bisect's probes, on the same nodes), kept in the
+    folder ``allocation`` of ``held``, which is yielded: it is on the file system the nodes
+    share, where check and bisect put their worktrees. None (and nothing held) for a local
+    launcher; a parallel one gets the folder but each launch its own job."""
+    if spec.launcher.kind != "slurm":
+        yield None
+        return
+    from parity import slurm
+
+    folder = held.make_dir(ALLOCATION)
+    if spec.launcher.parallel:
+        yield folder
+        return
+    with slurm.hold(spec.launcher, spec.launcher.nodes or spec.nnodes, folder):
+        yield folder
 
 
 def run_job(

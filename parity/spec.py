@@ -29,15 +29,90 @@ from parity.errors import SpecError
 from parity.tasks import CUSTOM
 
 TABLES = ("a", "b", "policies", "read")  # a spec file's tables beside the job's keys
+LAUNCHER_KINDS = ("local", "slurm")
 #: how check and bisect read each side's run folder: read_metrics' and compare's options
 READ_OPTIONS = {"format": None, "run": None, "duplicates": "error", "allow_skipped": False}
 
 Scalar = str | int | float | bool
 
 __all__ = [
-    "JobSpec", "PairSpec", "SpecError", "format_scalar", "load_policies", "load_read_options",
-    "load_spec", "masked_env", "require_choice", "require_flags", "require_int",
+    "JobSpec", "LauncherSpec", "PairSpec", "SpecError", "format_scalar", "load_policies",
+    "load_read_options", "load_spec", "masked_env", "require_choice", "require_flags",
+    "require_int",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LauncherSpec:
+    """Where a job's torchruns run: this machine (``local``, the default) or a Slurm cluster
+    (``slurm``, parity.slurm), as the spec's ``[launcher]`` table gives it.
+
+    With slurm, one ``sbatch`` allocation of ``nodes`` nodes (default: the job's nnodes) runs
+    every side one after the other on the same nodes, one torchrun per node
+    (``ntasks_per_node`` 1: its --nproc-per-node is the ranks per node); ``parallel`` submits
+    each side as a job of its own instead, at once, on whatever nodes Slurm gives it.
+    """
+
+    kind: str = "local"
+    nodes: int | None = None
+    ntasks_per_node: int = 1
+    partition: str | None = None
+    time: str | None = None  # Slurm's own time format, e.g. "00:20:00"
+    sbatch_args: tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()
+    parallel: bool = False
+    max_pending_s: float = 600.0  # an allocation pending longer is cancelled: failed
+    poll_s: float = 0.5  # how often the harness looks at the shared folder
+    visible_s: float = 60.0  # a running allocation's first file must appear here by then
+
+    def __post_init__(self) -> None:
+        require_choice("launcher kind", self.kind, LAUNCHER_KINDS)
+        require_int("launcher nodes", self.nodes, minimum=1, optional=True)
+        require_int("launcher ntasks_per_node", self.ntasks_per_node, minimum=1)
+        if self.ntasks_per_node != 1:
+            raise SpecError("launcher ntasks_per_node must be 1: one torchrun per node, whose "
+                            "--nproc-per-node is the job's ranks per node")  # fmt: skip
+        for name in ("partition", "time"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SpecError(f"launcher {name} must be a non-empty string, got {value!r}")
+        for name in ("sbatch_args", "srun_args"):
+            given = _str_list(f"launcher {name}", getattr(self, name))
+            object.__setattr__(self, name, tuple(given))
+        if not isinstance(self.parallel, bool):
+            raise SpecError(f"launcher parallel must be true or false, got {self.parallel!r}")
+        for name in ("max_pending_s", "poll_s", "visible_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+                raise SpecError(f"launcher {name} must be a number of seconds > 0, got {value!r}")
+        if self.kind == "local":
+            given = [k for k, v in self.to_dict().items() if k != "kind"]
+            if given:
+                raise SpecError(f"launcher {', '.join(given)}: only for kind = \"slurm\"")
+
+    @classmethod
+    def from_value(cls, value: object) -> LauncherSpec:
+        """From a spec's ``[launcher]`` table (or ``"slurm"``, ``--launcher slurm``)."""
+        if isinstance(value, LauncherSpec):
+            return value
+        if isinstance(value, str):
+            value = {"kind": value}
+        if not isinstance(value, Mapping):
+            raise SpecError(f"launcher must be a table (kind = \"slurm\", ...), got {value!r}")
+        valid = tuple(f.name for f in dataclasses.fields(cls))
+        for key in value:
+            if key not in valid:
+                _unknown(key, "[launcher]", valid)
+        return cls(**{str(k): v for k, v in value.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys that differ from the defaults (a local launcher: ``{}``)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "kind" or value != f.default:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return {} if out == {"kind": "local"} else out
 
 
 @dataclass(frozen=True, init=False)
@@ -61,6 +136,7 @@ class JobSpec:
     torchrun_args: list[str] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # names of mutants to apply
     env: dict[str, str] = field(default_factory=dict)  # variables the job runs with
+    launcher: LauncherSpec = field(default_factory=LauncherSpec)  # where the torchruns run
     options: dict[str, Any] = field(default_factory=dict)  # the preset's own keys
 
     def __init__(
@@ -76,6 +152,7 @@ class JobSpec:
         torchrun_args: list[str] | tuple[str, ...] = (),
         inject: list[str] | tuple[str, ...] = (),
         env: Mapping[str, Any] | None = None,
+        launcher: LauncherSpec | Mapping[str, Any] | str | None = None,
         options: Mapping[str, Any] | None = None,
         **keys: Any,
     ) -> None:
@@ -91,6 +168,7 @@ class JobSpec:
         merged = {k: _plain(v) for k, v in {**known, **chosen}.items()}
         object.__setattr__(self, "options", merged)
         object.__setattr__(self, "env", {} if env is None else env)
+        object.__setattr__(self, "launcher", LauncherSpec() if launcher is None else launcher)
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -116,6 +194,10 @@ class JobSpec:
         object.__setattr__(self, "inject", _str_list("inject", self.inject))
         object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
         object.__setattr__(self, "env", _env(self.env))
+        object.__setattr__(self, "launcher", LauncherSpec.from_value(self.launcher))
+        if (self.launcher.nodes or self.nnodes) < self.nnodes:
+            raise SpecError(f"launcher nodes {self.launcher.nodes} is fewer than the job's nnodes "
+                            f"{self.nnodes}")  # fmt: skip
         preset = self.preset
         if preset is None:
             if self.command is None or len(self.command) == 0:
@@ -165,6 +247,9 @@ class JobSpec:
         """Plain JSON-able dict, the preset's keys beside the others (secrets included: what
         rebuilds the spec with ``from_dict``)."""
         out = {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS if name != "options"}
+        launcher = out.pop("launcher").to_dict()  # a local job's dict has no launcher key
+        if launcher:
+            out["launcher"] = launcher
         return {**out, **copy.deepcopy(self.options)}
 
     def shown(self) -> dict[str, Any]:
@@ -202,7 +287,10 @@ class PairSpec:
     source: str = field(default="", compare=False)  # file it came from, for error messages
 
     def __post_init__(self) -> None:
-        self.sides()  # validate both sides now, not when the pair is run
+        a, b = self.sides()  # validate both sides now, not when the pair is run
+        if a.launcher != b.launcher:
+            raise SpecError(f"the two sides{' of ' + self.source if self.source else ''} must "
+                            "run on one launcher ([launcher] is the pair's, not a side's)")
 
     @classmethod
     def from_variants(cls, base: JobSpec, a: str, b: str) -> PairSpec:
@@ -250,6 +338,20 @@ inject = []                # mutants applied before the job starts (`parity muta
 [env]                      # variables the job runs with (both sides; [a.env]/[b.env] per side)
 ACCELERATE_USE_CPU = "true"
 OMP_NUM_THREADS = "1"
+
+[launcher]                 # where the torchruns run (--launcher slurm sets kind)
+kind = "local"             # "local": this machine; "slurm": one sbatch allocation, from here
+# nodes = 2                # slurm: the allocation's nodes (default: nnodes)
+# ntasks_per_node = 1      # one torchrun per node; its --nproc-per-node is world_size / nnodes
+# partition = "debug"
+# time = "00:20:00"        # the allocation's time limit, in Slurm's format
+# sbatch_args = ["--exclusive"]
+# srun_args = []
+# parallel = false         # true: each side a job of its own, at once, on any nodes (then
+#                          # only a tolerance verdict is meaningful)
+# max_pending_s = 600.0    # an allocation pending longer is cancelled: failed (exit 3)
+# poll_s = 0.5             # how often the harness looks at the shared run folders
+# visible_s = 60.0         # a running job's first file must appear here by then (shared FS)
 
 [policies]                 # per metric (globs allowed): exact, ulp:K, close:RTOL,ATOL, ignore
 "train/loss" = "exact"

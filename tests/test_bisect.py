@@ -92,7 +92,12 @@ def snapshot(repo: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("bisect-repo")
+    return make_repo(tmp_path_factory.mktemp("bisect-repo"))
+
+
+def make_repo(root: Path) -> Path:
+    """The five commits in ``root``, a staged spec, an uncommitted edit and the user's own
+    bisection mid-way."""
     git(root, "init", "-q", "-b", "main")
     for subject, nudge, label in COMMITS:
         (root / "job.py").write_text(JOB.format(nudge=nudge, label=label))

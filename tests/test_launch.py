@@ -19,10 +19,10 @@ from parity.launch import (
     LaunchResult,
     _has_rdzv_args,
     _kill_leftovers,
-    _parse_failures,
     free_port,
     launch,
     launch_or_raise,
+    parse_failures,
     survivors,
 )
 
@@ -152,7 +152,7 @@ def _fake_result(tmp_path: Path, logs: dict[int, str]) -> LaunchResult:
 def test_parse_summary_puts_likely_root_cause_first(tmp_path: Path) -> None:
     logs = {0: "RuntimeError: Connection closed by peer\n", 1: "", 2: "double free\n"}
     result = _fake_result(tmp_path, logs)
-    failures = _parse_failures(_SUMMARY, result)
+    failures = parse_failures(_SUMMARY, result)
     assert [(f.rank, f.exitcode, f.signal) for f in failures] == [
         (2, -6, "SIGABRT"),
         (0, 1, None),
@@ -166,7 +166,7 @@ def test_parse_summary_puts_likely_root_cause_first(tmp_path: Path) -> None:
 
 def test_parse_agent_line_without_summary(tmp_path: Path) -> None:
     text = "E1202 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 3794) of binary: python\n"
-    failures = _parse_failures(text, _fake_result(tmp_path, {0: "", 1: "oom\n"}))
+    failures = parse_failures(text, _fake_result(tmp_path, {0: "", 1: "oom\n"}))
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL")]
 
 

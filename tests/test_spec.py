@@ -202,7 +202,10 @@ def test_the_example_spec_has_every_key(tmp_path: Path, capsys) -> None:
     assert main(["spec", "--example"]) == 0
     text = capsys.readouterr().out
     assert text == EXAMPLE
+    from parity.spec import LauncherSpec
+
     keys = [f.name for f in dataclasses.fields(JobSpec) if f.name != "options"]
+    keys += [f.name for f in dataclasses.fields(LauncherSpec)]
     for name in keys + list(READ_OPTIONS):
         assert re.search(rf"\b{name}\b", text), name
     path = tmp_path / "example.toml"
