@@ -12,4 +12,5 @@ fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e './worker' -e '.[dev,test,writers]'
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks ci
+"$VENV/bin/python" -m ruff format --check --quiet worker parity subjects tests benchmarks ci
 exec "$VENV/bin/python" -m pytest "$@"

@@ -295,9 +295,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _unwrap_inject(
-    module: str, args: list[str]
-) -> tuple[str, list[str], list[str], str | None]:
+def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
     """(module, args, mutants, catalogue) of a side, `-m parity.inject ... -m M ARGS` unwrapped
     (catalogue None: the mutants are looked up in every registered one)."""
     if module != "parity.inject":

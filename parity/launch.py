@@ -170,8 +170,12 @@ class LaunchResult:
             "timed_out": self.timed_out,
             "run_dir": str(self.run_dir),
             "failures": [
-                {"rank": f.rank, "exitcode": f.exitcode, "signal": f.signal,
-                 **({"host": f.host} if f.host else {})}
+                {
+                    "rank": f.rank,
+                    "exitcode": f.exitcode,
+                    "signal": f.signal,
+                    **({"host": f.host} if f.host else {}),
+                }
                 for f in self.failures
             ],  # fmt: skip
             **({"note": self.note} if self.note else {}),
@@ -520,9 +524,7 @@ def _merge_nodes(
         duration_s=duration,
         run_dir=run_dir,
         timeout_s=timeout_s,
-        failures=sorted(
-            (f for _, r in sorted(results.items()) for f in r.failures), key=secondary
-        ),
+        failures=sorted((f for _, r in sorted(results.items()) for f in r.failures), key=secondary),
         nodes=dict(sorted(results.items())),
     )
     waited = [n for n, r in sorted(results.items()) if _rendezvous_timed_out(r)]

@@ -244,7 +244,6 @@ def run_pair(
             return finish_pair(result, trace=trace, report=report)
 
 
-
 #: what a pair writes in its folder: the sides' run and launch folders, the noise floor's
 #: repeat, the in-process launch, the op-trace reruns, the summary and the report
 PAIR_ENTRIES = tuple(

@@ -304,7 +304,8 @@ class Allocation:
         self.launch_ids.append(side.launch_id)
         write_text_atomic(self.folder / "steps" / f"{seq}.sh", side.script(self))
         exit_file = self.folder / "steps" / f"{seq}.exit"
-        deadline, exit_by, timed_out, note = start + side.timeout_s, None, False, ""
+        queued = time.monotonic()  # the side's timeout counts from here, not from the queue's
+        deadline, exit_by, timed_out, note = queued + side.timeout_s, None, False, ""
         asked = time.monotonic()
         while not exit_file.exists():
             now = time.monotonic()

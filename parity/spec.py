@@ -88,7 +88,7 @@ class LauncherSpec:
         if self.kind == "local":
             given = [k for k, v in self.to_dict().items() if k != "kind"]
             if given:
-                raise SpecError(f"launcher {', '.join(given)}: only for kind = \"slurm\"")
+                raise SpecError(f'launcher {", ".join(given)}: only for kind = "slurm"')
 
     @classmethod
     def from_value(cls, value: object) -> LauncherSpec:
@@ -98,7 +98,7 @@ class LauncherSpec:
         if isinstance(value, str):
             value = {"kind": value}
         if not isinstance(value, Mapping):
-            raise SpecError(f"launcher must be a table (kind = \"slurm\", ...), got {value!r}")
+            raise SpecError(f'launcher must be a table (kind = "slurm", ...), got {value!r}')
         valid = tuple(f.name for f in dataclasses.fields(cls))
         for key in value:
             if key not in valid:
@@ -289,8 +289,10 @@ class PairSpec:
     def __post_init__(self) -> None:
         a, b = self.sides()  # validate both sides now, not when the pair is run
         if a.launcher != b.launcher:
-            raise SpecError(f"the two sides{' of ' + self.source if self.source else ''} must "
-                            "run on one launcher ([launcher] is the pair's, not a side's)")
+            raise SpecError(
+                f"the two sides{' of ' + self.source if self.source else ''} must "
+                "run on one launcher ([launcher] is the pair's, not a side's)"
+            )
 
     @classmethod
     def from_variants(cls, base: JobSpec, a: str, b: str) -> PairSpec:
@@ -473,9 +475,7 @@ _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 def masked_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with the values of variables whose names hold TOKEN, KEY, SECRET or PASSWORD
     replaced by ``***``: what may be shown in logs and reports."""
-    return {
-        k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()
-    }
+    return {k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()}
 
 
 # --- helpers -----------------------------------------------------------------------------------

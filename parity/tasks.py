@@ -85,7 +85,7 @@ def registered() -> dict[str, Task]:
 
 
 def names() -> tuple[str, ...]:
-    """"custom" and every registered preset (without loading a broken one: listed anyway)."""
+    """ "custom" and every registered preset (without loading a broken one: listed anyway)."""
     return (CUSTOM, *sorted({ep.name for ep in entry_points(group=TASK_GROUP)}))
 
 

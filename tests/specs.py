@@ -25,7 +25,11 @@ LAUNCH_MODES = JobSpec(
 )
 DYNAMIC = JobSpec(
     task="charcount-sft",
-    world_size=2, steps=20, dynamic_bsz=True, micro_batch_size=None, max_tokens_per_rank=1200
+    world_size=2,
+    steps=20,
+    dynamic_bsz=True,
+    micro_batch_size=None,
+    max_tokens_per_rank=1200,
 )
 DDP_PADDED = JobSpec(
     task="charcount-sft", world_size=2, steps=20, engine="ddp", overrides={"padded": True}
@@ -43,12 +47,16 @@ def plain(world_size: int = 2, **changes) -> JobSpec:
 SMALL_DATA = str(FIXTURES / "charcount-small")
 EPOCHS = JobSpec(
     task="charcount-sft",
-    world_size=2, steps=3, global_batch_size=32, micro_batch_size=8, overrides={"data": SMALL_DATA}
+    world_size=2,
+    steps=3,
+    global_batch_size=32,
+    micro_batch_size=8,
+    overrides={"data": SMALL_DATA},
 )
 # 46 val samples: 23 per rank, so the last val micro-batch of 4 is incomplete
 VAL46 = JobSpec(task="charcount-sft", world_size=2, steps=2, overrides={"val_samples": 46})
 SEQ_MEAN = {"loss_agg_mode": "seq-mean-token-mean"}
-# 3 steps with every parameter and gradient hashed at each (worker/fingerprint.py)
+# 3 steps with every parameter and gradient hashed at each (parity.record.digest)
 FINGERPRINTED = JobSpec(
     task="charcount-sft", world_size=2, steps=3, overrides={"fingerprint_steps": "all"}
 )

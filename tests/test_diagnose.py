@@ -25,8 +25,8 @@ from parity.diagnose import (
     read_rank_data,
 )
 from parity.readers import read_metrics
+from parity.record.digest import DataDigest, parse_steps, tensor_hash
 from parity.report import build_report
-from worker.fingerprint import DataDigest, parse_steps, tensor_hash
 
 TENSORS = [
     "model.embed_tokens.weight",

@@ -43,6 +43,7 @@ ROWS = [
 END = '{"event": "end", "steps": 3}\n'
 GOOD_SPEC = 'task = "custom"\nworld_size = 1\ncommand = ["job.py", "--out", "{out}"]\n'
 
+
 def _jsonl(rows: list[dict], end: str = END) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows) + end
 

@@ -225,12 +225,9 @@ def test_the_recorder_is_the_bottom_layer():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stderr
-    import parity.record as record
     import parity.record.env
-    import worker.fingerprint
     import worker.metrics_log
 
-    assert worker.fingerprint.DataDigest is record.DataDigest
     assert worker.metrics_log.environment is parity.record.env.environment
     assert isinstance(worker.metrics_log.MetricsLog(ROOT, enabled=False).recorder, Recorder)
 

@@ -100,10 +100,7 @@ def test_the_hook_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
 def test_a_child_of_a_rank_is_not_a_rank(tmp_path: Path) -> None:
     """A process a rank starts (a DataLoader worker by spawn) inherits LOCAL_RANK; it must not
     count as one more rank."""
-    code = (
-        "import subprocess, sys\n"
-        "subprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
-    )
+    code = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
     _python_with_hook(tmp_path, code)  # exactly one record, checked there
 
 

@@ -1,5 +1,5 @@
 """`--batch-invariant`: a forward whose per-token result depends neither on how many rows share a
-call nor on KV-cache decode vs a full prefill (issue 23), for the reference model on CPU.
+call nor on KV-cache decode vs a full prefill, for the reference model on CPU.
 
 What breaks invariance in the default forward, measured on this project's CPUs (torch 2.13):
 - a matmul computes a row with another kernel when the call has fewer than 4 rows (the GEMV

@@ -17,10 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from parity.record.digest import DataDigest, model_fingerprint
 from worker.data.batching import MicroBatch
 from worker.determinism import autocast_dtype
 from worker.distributed import Dist
-from worker.fingerprint import DataDigest, model_fingerprint
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class Engine:
         self.num_params = sum(p.numel() for p in model.parameters())
         if kind == "fsdp2":  # parameters are shards; count the full tensors
             self.num_params = sum(p.full_tensor().numel() for p in model.parameters())
-        # diagnosis (worker.fingerprint), off unless a job turns it on: a digest of the batches
+        # diagnosis (parity.record.digest), off unless a job turns it on: a digest of the batches
         # each forward runs, and parameter/gradient hashes at the steps a job names
         self.data_digest: DataDigest | None = None
         self.digest_kinds = ("train", "val")  # of a forward with and without grad (PPO: rollout)

@@ -157,7 +157,7 @@ def check_step_flags(cfg: Any) -> None:
 
 
 def _fingerprint_steps(text: str) -> list[int] | str:
-    from worker.fingerprint import parse_steps
+    from parity.record.digest import parse_steps
 
     try:
         return parse_steps(text)

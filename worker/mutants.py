@@ -238,7 +238,7 @@ def reward_at_first_token() -> None:
     ppo_common.token_rewards = token_rewards
 
 
-# --- on-policy chain (issue 23): each caught by `parity onpolicy` at its link -------------------
+# --- on-policy chain: each caught by `parity onpolicy` at its link -------------------
 
 
 def _trainer_log_probs(wrap) -> None:

@@ -1,4 +1,4 @@
-"""Is PPO on-policy? The rollout's log-probs against the trainer's (issue 23).
+"""Is PPO on-policy? The rollout's log-probs against the trainer's.
 
 The rollout samples with transformers' `generate` (KV-cache decode) and records its own per-token
 log-probs (`ppo_common.sampler_log_probs`); the trainer recomputes them (`old_log_probs`) with a

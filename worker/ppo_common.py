@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
+from parity.record.digest import DataDigest
 from worker.data.batching import BatchingConfig, MicroBatch, step_order
 from worker.data.charcount import DATA_DIR, TOKENIZER_DIR, Encoded, load_tokenizer, read_jsonl
 from worker.determinism import set_determinism
 from worker.distributed import Dist, all_reduce_sum, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import check_step_flags, config_from_args, job_arg_parser
-from worker.fingerprint import DataDigest
 from worker.losses import token_log_probs
 from worker.metrics_log import JobLog, write_manifest
 from worker.model import load_model, load_value_model

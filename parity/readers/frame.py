@@ -55,6 +55,8 @@ def beyond_max_step(digits: str) -> bool:
     (Python refuses int() of more than 4300 digits with a bare ValueError)."""
     digits = digits.lstrip("0")
     return len(digits) > len(str(MAX_STEP)) or int(digits or "0") > MAX_STEP
+
+
 DUPLICATE_RULES = ("error", "first", "last")
 Duplicates = Literal["error", "first", "last"]
 FLOAT64, FLOAT32 = "float64", "float32"

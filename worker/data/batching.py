@@ -159,11 +159,6 @@ def step_order(
         yield step, epoch, list(sampler)[index * per_rank : (index + 1) * per_rank]
 
 
-def rank_share(items: list, rank: int, world: int) -> list:
-    """The rank's slice of a global batch: interleaved, as torch's DistributedSampler does."""
-    return items[rank::world]
-
-
 @dataclass(frozen=True)
 class BatchingConfig:
     micro_batch_size: int | None = 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parity.record.digest import DataDigest
 from worker.data.batching import BatchingConfig, step_order
 from worker.data.charcount import (
     DATA_DIR,
@@ -22,7 +23,6 @@ from worker.determinism import set_determinism
 from worker.distributed import Dist, init_distributed
 from worker.engine import Engine, OptimConfig
 from worker.entry import check_step_flags, config_from_args, job_arg_parser
-from worker.fingerprint import DataDigest
 from worker.metrics_log import JobLog, write_manifest
 from worker.model import TINY_MODEL_DIR, load_model
 
@@ -172,9 +172,6 @@ class SFTJob:
     def write_manifest(self, determinism: dict) -> None:
         files = {split: self.cfg.data / f"{split}.jsonl" for split in ("train", "val")}
         write_manifest(self.cfg, self.dist, determinism, files, num_params=self.engine.num_params)
-
-    def steps_per_epoch(self) -> int:
-        return len(self.train) // self.cfg.global_batch_size
 
     def rank_batches(self, start_step: int = 1):
         """(step, epoch, this rank's share) for steps start_step..steps."""
