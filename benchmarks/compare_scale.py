@@ -28,7 +28,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parity.compare import Comparison, compare_frames  # noqa: E402
+from parity.judge.compare import Comparison, compare_frames  # noqa: E402
 from parity.readers.frame import finish  # noqa: E402
 
 GOAL = 20.0  # million values per second

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parity.runs import run_job  # noqa: E402
+from parity.run.job import run_job  # noqa: E402
 from parity.spec import JobSpec  # noqa: E402
 
 MODES = {"default": False, "batch-invariant": True}

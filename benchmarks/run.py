@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 from parity.readers import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def _pair_once(steps: int, in_process: bool) -> tuple[float, float, float]:
 
 def _launch_once(steps: int) -> tuple[float, float, float]:
     """(wall time of one 2-rank worker launch, its training time, its tree's CPU time)."""
-    from parity.runs import run_job
+    from parity.run.job import run_job
     from parity.spec import JobSpec
 
     with tempfile.TemporaryDirectory() as tmp:

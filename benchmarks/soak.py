@@ -30,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-from parity.launch import LaunchError, survivors
 from parity.outdir import LEDGER_DIR
 from parity.pair import run_pair
-from parity.signals import Interrupted, cancellable, deferred
+from parity.run.launch import LaunchError, survivors
+from parity.run.signals import Interrupted, cancellable, deferred
 from parity.spec import JobSpec, PairSpec
 
 MUTANTS = ("lr-before-step", "loss-summed-over-ranks", "missing-dp-factor")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.steps < 1:
         print("soak: error: --pairs and --steps must be >= 1", file=sys.stderr)
         return 2
-    # SIGINT, SIGTERM and SIGHUP alike (parity.signals): launches stopped, temp folder removed
+    # SIGINT, SIGTERM and SIGHUP alike (parity.run.signals): launches stopped, temp folder removed
     with cancellable() as owner:
         records: list[dict] = []
         out = args.out

@@ -183,7 +183,7 @@ def _device_ok(ctx: Context, where: dict[str, Any], backend: str | None = None) 
 
 def _floor(a, b) -> tuple[bool, dict[str, Any]]:
     """(bitwise equal, per metric max abs / rel / ULP difference) of two runs' metrics."""
-    from parity.noise import floor_from_frames
+    from parity.judge.noise import floor_from_frames
 
     floor = floor_from_frames(a, b)
     return floor.deterministic, floor.to_dict()["metrics"]
@@ -409,7 +409,7 @@ def check_sft_pair(ctx: Context) -> Result:
 
 def check_noise_floor(ctx: Context) -> Result:
     """Side A of the SFT pair run again: A vs A' bit for bit, else the floor per metric."""
-    from parity.runs import run_job
+    from parity.run.job import run_job
 
     spec = ctx.sft(trainer="legacy")
     a_dir = ctx.runs / "sft-pair" / "a"
@@ -486,7 +486,7 @@ def check_ppo_pair(ctx: Context) -> Result:
 def check_bf16(ctx: Context) -> Result:
     """The SFT pair under bf16 autocast (one launch), and the bf16 run's floor against fp32."""
     from parity.pair import run_pair
-    from parity.runs import run_job
+    from parity.run.job import run_job
     from parity.spec import PairSpec
 
     fp32_dir = ctx.runs / "sft-pair" / "b"
@@ -530,8 +530,8 @@ def check_bf16(ctx: Context) -> Result:
 
 def check_two_ranks(ctx: Context) -> Result:
     """Two ranks on the one device, with each backend/engine that might allow it."""
-    from parity.launch import LaunchError
     from parity.pair import run_pair
+    from parity.run.launch import LaunchError
     from parity.spec import PairSpec
 
     if ctx.device == "cuda":
@@ -620,7 +620,7 @@ CHECKS: list[tuple[str, str, float, Callable[[Context], Result]]] = [
 
 
 def run_child(args: argparse.Namespace) -> int:
-    from parity.signals import Interrupted, cancellable
+    from parity.run.signals import Interrupted, cancellable
 
     fn = {name: f for name, _, _, f in CHECKS}[args.child]
     ctx = Context(
@@ -823,7 +823,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 def _kill_check(proc: subprocess.Popen, check_id: str) -> None:
     """SIGKILL the child and everything still carrying its check id (torchrun, the ranks)."""
-    from parity.launch import kill_carrying
+    from parity.run.launch import kill_carrying
 
     kill_carrying(CHECK_ID_ENV, check_id, proc, rounds=50)
 
@@ -978,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         return run_child(args)
-    from parity.signals import Interrupted, cancellable
+    from parity.run.signals import Interrupted, cancellable
 
     with cancellable():  # SIGINT, SIGTERM, SIGHUP: the running check is stopped with its launches
         try:

@@ -18,25 +18,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from parity.bisect import bisect
-    from parity.compare import Policy, compare_frames
+    from parity.check import check_revisions
     from parity.errors import InputError, SpecError
+    from parity.judge.compare import Policy, compare_frames
     from parity.pair import run_pair
     from parity.plugin import assert_parity
     from parity.readers import read_metrics
-    from parity.revisions import check_revisions
-    from parity.runs import run_job
+    from parity.run.job import run_job
     from parity.spec import JobSpec, PairSpec
 
 #: each public name and the module it lives in
 _HOMES = {
     "run_pair": "parity.pair",
-    "run_job": "parity.runs",
+    "run_job": "parity.run.job",
     "JobSpec": "parity.spec",
     "PairSpec": "parity.spec",
-    "compare_frames": "parity.compare",
-    "Policy": "parity.compare",
+    "compare_frames": "parity.judge.compare",
+    "Policy": "parity.judge.compare",
     "read_metrics": "parity.readers",
-    "check_revisions": "parity.revisions",
+    "check_revisions": "parity.check",
     "bisect": "parity.bisect",
     "assert_parity": "parity.plugin",
     "InputError": "parity.errors",

@@ -6,8 +6,8 @@ then, for each commit git checks out there, the spec is run and compared with th
 the spec's policies, and git is answered ``good`` (aligned), ``bad`` (diverged) or ``skip`` (the
 run failed), until it names the first bad commit. Every git call is an argument list: nothing
 runs through a shell (``git bisect run`` would run its test through ``sh -c``), and a Ctrl-C,
-SIGTERM or SIGHUP takes the one path of parity.signals: the running launch is stopped
-(parity.launch), the worktree's bisect state reset and the worktree removed.
+SIGTERM or SIGHUP takes the one path of parity.run.signals: the running launch is stopped
+(parity.run.launch), the worktree's bisect state reset and the worktree removed.
 
 The user's repository is left exactly as it was: the worktree has its own HEAD and its own
 bisect state (``refs/bisect/*`` and ``BISECT_*`` are per worktree), hooks and auto-gc are off,
@@ -26,14 +26,14 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, MetricResult, Policy, compare_frames, json_value
+from parity.check import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
-from parity.launch import LaunchError
+from parity.judge.compare import Comparison, MetricResult, Policy, compare_frames, json_value
 from parity.outdir import OutDir
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
-from parity.revisions import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
-from parity.runs import ALLOCATION, holding
-from parity.signals import deferred
+from parity.run.job import ALLOCATION, holding
+from parity.run.launch import LaunchError
+from parity.run.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 
 __all__ = ["BisectResult", "TestedCommit", "bisect", "first_divergence"]
@@ -153,7 +153,7 @@ class _Reading:
 
 
 def _git(repo: Path, *args: str) -> str:
-    from parity.revisions import git
+    from parity.check import git
 
     return git(repo, *_QUIET_GIT, *args)
 

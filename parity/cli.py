@@ -17,12 +17,12 @@ import sys
 import traceback
 from pathlib import Path
 
-from parity.compare import Comparison, Policy, compare_frames
 from parity.errors import InputError
-from parity.launch import LaunchError
+from parity.judge.compare import Comparison, Policy, compare_frames
 from parity.readers import DUPLICATE_RULES, FORMATS, read_metrics
 from parity.readers.frame import clip_message
 from parity.report import build_report
+from parity.run.launch import LaunchError
 from parity.spec import (
     LAUNCHER_KINDS,
     JobSpec,
@@ -62,7 +62,7 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
         print(json.dumps({**comparison.to_dict(), **(extra or {})}, allow_nan=False))
     else:
         print(comparison.table())
-        for line in (extra or {}).get("diagnosis", {}).get("lines", []):  # parity.diagnose
+        for line in (extra or {}).get("diagnosis", {}).get("lines", []):  # parity.judge.diagnose
             print(f"diagnosis: {line}")
         if (extra or {}).get("topology"):
             print(f"topology: {extra['topology']}")
@@ -268,16 +268,16 @@ def _topology_notes(a: str, b: str) -> list[str]:
 
 
 def _topology_line(a: str, b: str, verdict: str) -> str:
-    """The line saying the two runs ran on different nodes (parity.topology), or ''."""
-    from parity import topology
+    """The line saying the two runs ran on different nodes (parity.judge.topology), or ''."""
+    from parity.judge import topology
 
     found = [topology.read(_run_folder(p)) for p in (a, b)]
     return topology.line(*found, verdict)
 
 
 def _diagnosis(a, b, comparison: Comparison) -> dict:
-    """parity.diagnose of two run folders (or metric files in them), as JSON-able lines."""
-    from parity.diagnose import diagnose
+    """parity.judge.diagnose of two run folders (or metric files in them), as JSON-able lines."""
+    from parity.judge.diagnose import diagnose
 
     return diagnose(a, b, comparison).to_dict()
 
@@ -310,7 +310,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from parity.revisions import check_golden, check_revisions
+    from parity.check import check_golden, check_revisions
 
     loaded = load_spec(args.spec)
     if not isinstance(loaded, JobSpec):
@@ -381,7 +381,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 def cmd_onpolicy(args: argparse.Namespace) -> int:
     """Judge a PPO run's on-policy chain; without a run folder, run the PPO job first."""
-    from parity.onpolicy import judge_chain, load_chain
+    from parity.judge.onpolicy import judge_chain, load_chain
 
     run = Path(args.run) if args.run else _run_onpolicy_job(args)
     result = judge_chain(load_chain(run), max_ulp=args.max_ulp)
@@ -394,7 +394,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
 
 
 def _run_onpolicy_job(args: argparse.Namespace) -> Path:
-    from parity.runs import run_job
+    from parity.run.job import run_job
 
     spec = _job_from_args(args)
     if isinstance(spec, PairSpec):
@@ -477,9 +477,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     pair.add_argument("--b", action="append", default=[], metavar="KEY=VALUE",
                       help="a key of side B only, as --a")  # fmt: skip
-    pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT")
-    pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT")
-    pair.add_argument("--out", required=True)
+    pair.add_argument("--inject-a", action="append", default=[], metavar="MUTANT",
+                      help="a mutant applied to side A (repeat it; `parity mutants`)")  # fmt: skip
+    pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT",
+                      help="a mutant applied to side B, as --inject-a")  # fmt: skip
+    pair.add_argument("--out", required=True,
+                      help="folder for a/, b/, summary.json and the report")  # fmt: skip
     pair.add_argument(
         "--parallel", action="store_true",
         help="with --launcher slurm: each side a job of its own, both at once, on whatever nodes "
@@ -510,14 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
     pair.set_defaults(func=cmd_pair)
 
     compare = sub.add_parser("compare", help="compare two metric files or run folders")
-    compare.add_argument("a")
-    compare.add_argument("b")
+    compare.add_argument("a", help="side A: a metric file or run folder")
+    compare.add_argument("b", help="side B: a metric file or run folder")
     _read_arguments(compare)
     compare.set_defaults(func=cmd_compare)
 
     report = sub.add_parser("report", help="write report.md and report.html for two runs")
-    report.add_argument("a")
-    report.add_argument("b")
+    report.add_argument("a", help="side A: a metric file or run folder")
+    report.add_argument("b", help="side B: a metric file or run folder")
     report.add_argument("-o", "--out", required=True, help="folder for report.md/report.html")
     _read_arguments(report)
     report.set_defaults(func=cmd_report)
@@ -552,8 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout prefill, rollout decode vs prefill; names the first link that breaks",
     )
     onpolicy.add_argument(
-        "run", nargs="?", help="a run folder holding the chain (onpolicy/); else the job given "
-        "by --spec or --task is run first (a job that writes the chain)"
+        "run",
+        nargs="?",
+        help="a run folder holding the chain (onpolicy/); else the job given "
+        "by --spec or --task is run first (a job that writes the chain)",
     )
     onpolicy.add_argument("--out", default="runs/onpolicy", help="run folder of the job it runs")
     _job_arguments(onpolicy)
@@ -581,7 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func=cmd_tasks)
 
     for s in (pair, compare, report, check, bis):
-        s.add_argument("--policy", action="append", default=[], metavar="METRIC=POLICY")
+        s.add_argument(
+            "--policy", action="append", default=[], metavar="METRIC=POLICY",
+            help="how a metric (or glob) is judged: exact, ulp:K, close:RTOL,ATOL, ignore, or "
+            "pieces POLICY@STEPS (repeat it; wins over the spec's [policies])",
+        )  # fmt: skip
         s.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -597,8 +606,13 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--world", type=int, default=None, help="world_size: ranks in all")
     parser.add_argument("--nnodes", type=int, default=None, help="torchrun nodes (this host)")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="what progress counts to (a preset trains this many)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="a preset's seed")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
     _launcher_argument(parser)
 
@@ -642,8 +656,16 @@ def _read_arguments(parser: argparse.ArgumentParser) -> None:
         help="a step logged twice with other values (a restarted run): error (default), or keep "
         "the first or the last and say so",
     )
-    parser.add_argument("--allow-missing", action="store_true")
-    parser.add_argument("--allow-incomplete", action="store_true")
+    parser.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="a metric or step on one side only does not fail the comparison (the table says so)",
+    )
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="compare a run without its end record (killed or still writing)",
+    )
     parser.add_argument(
         "--allow-skipped",
         action="store_true",
@@ -652,10 +674,10 @@ def _read_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line. SIGINT, SIGTERM and SIGHUP stop it alike (parity.signals): launches
+    """The command line. SIGINT, SIGTERM and SIGHUP stop it alike (parity.run.signals): launches
     stopped, worktrees and temp folders removed, what was written kept, one line on stderr, exit
     130, 143 or 129. Output into a closed pipe (`parity compare A B | head`) ends quietly, 141."""
-    from parity.signals import Interrupted, cancellable, quiet_closed_pipe
+    from parity.run.signals import Interrupted, cancellable, quiet_closed_pipe
 
     args = build_parser().parse_args(argv)
     with cancellable() as owner:

@@ -1,7 +1,7 @@
 """A matched pair: both sides run (one after the other, in one launch, or A twice first for the
 noise floor), compared, diagnosed once, rerun with the first divergent step's ops traced where
 that names the first differing op, summarized and reported (the orchestration layer, over
-parity.runs).
+parity.run.job).
 
 `run_pair` does all of it, as `parity pair` does; its steps are public so that a caller with its
 own runs (the pytest plugin's cached and pooled ones) goes through the same ones:
@@ -21,21 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity import runs, topology
-from parity.compare import Comparison, Policy, compare_frames, printable
-from parity.diagnose import Diagnosis, diagnose
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
-from parity.launch import LaunchResult
-from parity.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
+from parity.judge import topology
+from parity.judge.compare import Comparison, Policy, compare_frames, printable
+from parity.judge.diagnose import Diagnosis, diagnose
+from parity.judge.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
 from parity.outdir import OutDir
-from parity.runs import Run
+from parity.run import job
+from parity.run.job import Run
+from parity.run.launch import LaunchResult
 from parity.spec import JobSpec, PairSpec, SpecError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from parity.revisions import CheckResult
-    from parity.trace_rerun import TraceRerun
+    from parity.check import CheckResult
+    from parity.run.trace_rerun import TraceRerun
 
 #: the diagnosis kind after which an op-trace rerun can name the first differing op
 SAME_BATCHES = "same batches, numbers differ"
@@ -49,7 +50,7 @@ class PairResult:
     dir: Path
     allow_teardown_failure: bool = False
     floor: NoiseFloor | None = None  # A vs its repeat A', with noise_floor; then b is A'
-    diagnosis: Diagnosis | None = None  # parity.diagnose of a vs b: see diagnose()
+    diagnosis: Diagnosis | None = None  # parity.judge.diagnose of a vs b: see diagnose()
     trace_rerun: TraceRerun | None = None  # the op-trace rerun, when one was run
     report: Path | None = None  # report.md (report.html beside it), when one was written
 
@@ -82,7 +83,7 @@ class PairResult:
         return teardown_line(named, self.comparison)
 
     def diagnose(self) -> Diagnosis:
-        """The diagnosis of the two run folders (parity.diagnose), made on first use and kept:
+        """The diagnosis of the two run folders (parity.judge.diagnose), made on first use and kept:
         the summary, the report, the op-trace rerun and the CLI all read this one."""
         if self.diagnosis is None:
             self.diagnosis = diagnose(self.a.dir, self.b.dir, self.comparison)
@@ -133,7 +134,7 @@ def teardown_line(teardown: list[tuple[str, LaunchResult]], comparison: Comparis
 
 def topology_notes(a_dir: Path, b_dir: Path, verdict: str) -> list[str]:
     """Where each side ran when it was not this machine (Slurm), and the line saying the
-    sides' topologies differ (parity.topology) when they do."""
+    sides' topologies differ (parity.judge.topology) when they do."""
     a, b = topology.read(a_dir), topology.read(b_dir)
     notes = [f"side {side}: {topology.describe(t)}" for side, t in (("A", a), ("B", b))
              if t.get("launcher", "local") != "local" and topology.describe(t)]  # fmt: skip
@@ -172,8 +173,8 @@ def measure_floor(
     """
     out = Path(out).resolve()
     if a is None:
-        a = runs.run_job(spec, out / "a", label=side_label("a", spec))
-    repeat = runs.run_job(spec, out / "a-repeat", label=side_label("a'", spec))
+        a = job.run_job(spec, out / "a", label=side_label("a", spec))
+    repeat = job.run_job(spec, out / "a-repeat", label=side_label("a'", spec))
     return a, repeat, floor_of(a, repeat, policies)
 
 
@@ -219,7 +220,7 @@ def run_pair(
     at teardown is still compared; ``result.verdict`` is then "failed" unless
     allow_teardown_failure, and ``result.teardown`` / summary.json name it either way.
 
-    in_process: both in one launch (parity.inprocess), the same bits at half the start-up;
+    in_process: both in one launch (parity.run.inprocess), the same bits at half the start-up;
     SpecError with the reason when the sides cannot share a process.
 
     noise_floor: run A twice first (A, then A' in out/a-repeat); if they differ, B is not run and
@@ -236,7 +237,7 @@ def run_pair(
                         f"launcher {spec_a.launcher.kind!r}")  # fmt: skip
     with OutDir.open(out) as held:
         held.claim(*PAIR_ENTRIES)  # before anything runs: refused if the user's is in the way
-        with runs.holding(spec_a, held):  # Slurm: the sides in one allocation
+        with job.holding(spec_a, held):  # Slurm: the sides in one allocation
             result = run_sides(
                 pair, out, policies, in_process,
                 allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
@@ -250,7 +251,7 @@ PAIR_ENTRIES = tuple(
     name
     for side in ("a", "b", "a-repeat", "trace-a", "trace-b")
     for name in (side, side + LAUNCH_SUFFIX)
-) + ("in-process", runs.ALLOCATION, "summary.json", "summary.md", "report.md", "report.html")
+) + ("in-process", job.ALLOCATION, "summary.json", "summary.md", "report.md", "report.html")
 
 
 def run_sides(
@@ -272,24 +273,24 @@ def run_sides(
         if not floor.deterministic:
             return nondeterministic_pair(floor, out, allow_teardown_failure=allow_teardown_failure)
     if in_process and a is None:  # with noise_floor, A has run (twice) already: B alone
-        from parity.inprocess import run_pair_in_process
+        from parity.run.inprocess import run_pair_in_process
 
         a, b = run_pair_in_process(pair, out, allow_teardown_failure=True)
     elif a is None and spec_a.launcher.parallel:  # each side a Slurm job of its own, at once
-        from parity.slurm import run_parallel
+        from parity.run.slurm import run_parallel
 
         a, b = run_parallel([
-            lambda: runs.run_job(spec_a, out / "a", label=side_label("a", spec_a),
+            lambda: job.run_job(spec_a, out / "a", label=side_label("a", spec_a),
                                  allow_teardown_failure=True),
-            lambda: runs.run_job(spec_b, out / "b", label=side_label("b", spec_b),
+            lambda: job.run_job(spec_b, out / "b", label=side_label("b", spec_b),
                                  allow_teardown_failure=True),
         ])  # fmt: skip
     else:
         if a is None:
-            a = runs.run_job(
+            a = job.run_job(
                 spec_a, out / "a", label=side_label("a", spec_a), allow_teardown_failure=True
             )
-        b = runs.run_job(
+        b = job.run_job(
             spec_b, out / "b", label=side_label("b", spec_b), allow_teardown_failure=True
         )
     return compare_pair(
@@ -305,7 +306,7 @@ def finish_pair(
     run_job: Callable[..., Any] | None = None,
 ) -> PairResult:
     """What follows the comparison: the diagnosis (once), the op-trace rerun (trace; its runs
-    by ``run_job``, default parity.runs.run_job), summary.json / summary.md after it, so that
+    by ``run_job``, default parity.run.job.run_job), summary.json / summary.md after it, so that
     they name the first differing op, and report.md / report.html (report)."""
     result.diagnose()
     if trace:
@@ -320,10 +321,10 @@ def trace_divergence(
     result: PairResult, *, run_job: Callable[..., Any] | None = None
 ) -> TraceRerun | None:
     """A pair that diverged on the same batches without op traces: rerun both sides up to the
-    first divergent step with it traced (parity.trace_rerun), put the traces in the run folders
+    first divergent step with it traced (parity.run.trace_rerun), put the traces in the run folders
     and the op comparison in the diagnosis. None (and nothing run) when there is nothing to
     do; else the rerun, kept as ``result.trace_rerun``, whose reason says why it could not."""
-    from parity.trace_rerun import install_traces, trace_first_divergence
+    from parity.run.trace_rerun import install_traces, trace_first_divergence
 
     found = result.diagnose()
     if result.verdict != "diverged" or found.kind != SAME_BATCHES:
@@ -334,7 +335,7 @@ def trace_divergence(
           "traced (--no-trace, trace=False: skip)", file=sys.stderr, flush=True)  # fmt: skip
     a, b = result.a, result.b
     rerun = trace_first_divergence(
-        a.spec, b.spec, (a.dir, b.dir), found.step, result.dir, run_job=run_job or runs.run_job
+        a.spec, b.spec, (a.dir, b.dir), found.step, result.dir, run_job=run_job or job.run_job
     )
     if not rerun.reason:
         install_traces(rerun, {"a": a.dir, "b": b.dir})
@@ -345,7 +346,7 @@ def trace_divergence(
 
 def _use_ops(found: Diagnosis, rerun: TraceRerun) -> None:
     """The diagnosis with the reruns' op comparison in place of the missing one (as
-    parity.diagnose reads it: the ops' errors among the diagnosis's)."""
+    parity.judge.diagnose reads it: the ops' errors among the diagnosis's)."""
     stale = {printable(e) for e in found.ops.errors}
     found.errors = [e for e in found.errors if e not in stale]
     found.ops = rerun.ops

@@ -7,7 +7,8 @@
         assert_parity(pair.a, pair.b)
 
 Runs are cached for the session by spec, so tests that need the same job share one launch, and
-jobs run in warm pools (parity.pool: one torchrun launch per world size, kept up for the session,
+jobs run in warm pools (parity.run.pool: one torchrun launch per world size, kept up for the
+session,
 the same bits as a launch of their own) unless `--parity-no-pool`. `--parity-keep-runs=DIR` keeps
 every run folder there for inspection.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from parity.compare import Comparison, Policy, compare_frames
+from parity.judge.compare import Comparison, Policy, compare_frames
 from parity.spec import JobSpec, PairSpec
 
 
@@ -38,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--parity-no-pool",
         action="store_true",
-        help="launch every job on its own instead of in warm pools (parity.pool)",
+        help="launch every job on its own instead of in warm pools (parity.run.pool)",
     )
     group.addoption(
         "--parity-update-golden",
@@ -120,7 +121,7 @@ def assert_parity(
 class ParityRunner:
     """Runs jobs and pairs under torchrun, once per distinct spec per session.
 
-    pool=True: jobs run in warm pools (parity.pool), one launch per world size for the session;
+    pool=True: jobs run in warm pools (parity.run.pool), one launch per world size for the session;
     a job that fails there is launched alone, for its own report. A run is cached by its spec
     whichever way it ran: a job run in a pool or in-process (both sides of a pair in one launch,
     `pair(..., in_process=True)`) is bitwise the run a launch of its own gives
@@ -129,7 +130,7 @@ class ParityRunner:
 
     def __init__(self, base_dir: Path, pool: bool = False):
         from parity.outdir import OutDir
-        from parity.pool import Pools
+        from parity.run.pool import Pools
 
         self.base_dir = base_dir
         self.pools = None
@@ -159,7 +160,7 @@ class ParityRunner:
     def job(self, spec: JobSpec, separate: bool = False):
         """The run of `spec`; separate=True: one launched on its own, never a pooled or
         in-process one."""
-        from parity.runs import run_job
+        from parity.run.job import run_job
 
         key = self._key(spec)
         run = self._runs.get(key)
@@ -210,7 +211,7 @@ class ParityRunner:
             self._runs.setdefault(self._key(spec_b), b)
         else:
             if in_process:
-                from parity.inprocess import refusal
+                from parity.run.inprocess import refusal
                 from parity.spec import SpecError
 
                 reason = refusal(spec_a, spec_b)
@@ -223,7 +224,7 @@ class ParityRunner:
         """The noise floor of ``spec``: its (cached) run against a new launch, never cached,
         since a second run is the whole point. ``floor.runs`` holds the two Runs."""
         from parity.pair import floor_of
-        from parity.runs import run_job
+        from parity.run.job import run_job
 
         a = self.job(spec, separate=True)
         name = f"{spec.task}-{spec.variant}-w{spec.world_size}-repeat"
@@ -231,8 +232,8 @@ class ParityRunner:
 
     def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
         """Both sides in one launch, always (cached as such): for tests of the mode itself."""
-        from parity.inprocess import run_pair_in_process
         from parity.pair import compare_pair
+        from parity.run.inprocess import run_pair_in_process
 
         spec_a, spec_b = pair.sides()
         key = (self._key(spec_a), self._key(spec_b))
@@ -260,11 +261,11 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[
 
 def _cancellable(config: pytest.Config, base: Path) -> None:
     """From the first job on, SIGINT, SIGTERM and SIGHUP stop the session alike
-    (parity.signals): pytest's KeyboardInterrupt path, whose teardown stops the warm pools and
+    (parity.run.signals): pytest's KeyboardInterrupt path, whose teardown stops the warm pools and
     launches; then one line on stderr and exit 130, 143 or 129 (`pytest_sessionfinish`)."""
     import threading
 
-    from parity import signals
+    from parity.run import signals
 
     if threading.current_thread() is threading.main_thread() and not signals.installed():
         config.stash[_SIGNALS] = (signals.install(), base)
@@ -277,7 +278,7 @@ _SIGNALS = pytest.StashKey[tuple]()
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int):
     """Around the session's teardown (the warm pools' closing): a signal waits for its end. After
     an interruption, one line on stderr and exit 128 + the signal instead of pytest's 2."""
-    from parity import signals
+    from parity.run import signals
 
     installed = session.config.stash.get(_SIGNALS, None)
     if installed is None:
@@ -311,13 +312,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 class GoldenChecker:
     """`parity_golden.check(name, run)`: compare a run with the baseline of its environment in
-    fixtures/golden/<name> (parity.golden), or write that baseline."""
+    fixtures/golden/<name> (parity.judge.golden), or write that baseline."""
 
     def __init__(self, golden_dir: Path, update: bool):
         self.golden_dir, self.update = golden_dir, update
 
     def check(self, name: str, run, policies: Mapping[str, Policy | str] | None = None):
-        from parity.golden import save_golden, verify_golden
+        from parity.judge.golden import save_golden, verify_golden
 
         path = self.golden_dir / name
         if self.update:

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from parity.compare import (
+from parity.files import launch_dir, write_text_atomic
+from parity.judge.compare import (
     ULP_MAX,
     Comparison,
     MetricResult,
@@ -36,9 +37,8 @@ from parity.compare import (
     printable,
     ulp_distance,
 )
-from parity.diagnose import Diagnosis, diagnose
-from parity.files import launch_dir, write_text_atomic
-from parity.golden import read_manifest
+from parity.judge.diagnose import Diagnosis, diagnose
+from parity.judge.golden import read_manifest
 from parity.outdir import OutDir
 from parity.readers import MetricsError, present_mask, read_metrics
 
@@ -266,7 +266,7 @@ class Report:
     a: Side
     b: Side
     notes: list[str] = field(default_factory=list)
-    diagnosis: Diagnosis | None = None  # parity.diagnose: batches vs numerics, tensors, ranks
+    diagnosis: Diagnosis | None = None  # parity.judge.diagnose: batches vs numerics, tensors, ranks
 
     def headline(self) -> str:
         c = self.comparison

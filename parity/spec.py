@@ -45,7 +45,7 @@ __all__ = [
 @dataclass(frozen=True)
 class LauncherSpec:
     """Where a job's torchruns run: this machine (``local``, the default) or a Slurm cluster
-    (``slurm``, parity.slurm), as the spec's ``[launcher]`` table gives it.
+    (``slurm``, parity.run.slurm), as the spec's ``[launcher]`` table gives it.
 
     With slurm, one ``sbatch`` allocation of ``nodes`` nodes (default: the job's nnodes) runs
     every side one after the other on the same nodes, one torchrun per node
@@ -122,7 +122,7 @@ class JobSpec:
     ``task`` is "custom" (run ``command``) or a preset a package registers (parity.tasks), whose
     own keys are given beside these, ``JobSpec(task="charcount-sft", trainer="legacy")``, kept in
     ``options`` with the preset's defaults filled in, and read as attributes (``spec.trainer``).
-    ``to_args`` turns it into the torchrun arguments for ``parity.launch``.
+    ``to_args`` turns it into the torchrun arguments for ``parity.run.launch``.
     """
 
     task: str = CUSTOM
@@ -269,8 +269,8 @@ class JobSpec:
             args = [a.replace("{out}", str(out_dir)) for a in self.command]
         else:
             args = list(preset.args(self, Path(out_dir)))
-        if self.inject:  # mutants are applied by parity.inject in every rank, before the job
-            args = ["-m", "parity.inject", "--mutants", ",".join(self.inject), *args]
+        if self.inject:  # mutants are applied by parity.run.inject in every rank, before the job
+            args = ["-m", "parity.run.inject", "--mutants", ",".join(self.inject), *args]
         return args
 
 
@@ -426,7 +426,7 @@ def load_policies(path: str | Path) -> dict[str, str]:
     Policies live with the job so that ``check``/``bisect``/``pair --spec`` judge the same way
     every time; ``--policy`` flags on the command line override them per metric.
     """
-    from parity.compare import Policy
+    from parity.judge.compare import Policy
 
     table = _read_spec(Path(path)).get("policies", {})
     if not isinstance(table, dict):

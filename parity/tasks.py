@@ -47,7 +47,7 @@ class Task:
     side_key: the key a bare value of ``parity pair --a VALUE`` sets (e.g. "trainer"), and
         what names a side in progress lines.
     traced: the spec rerun to trace ``step`` (its ops written to ops/) and stop after it,
-        resuming from a state the job saved when one is given (parity.trace_rerun); raises
+        resuming from a state the job saved when one is given (parity.run.trace_rerun); raises
         SpecError with the reason when it cannot be. None: the job cannot be asked for a trace.
     """
 

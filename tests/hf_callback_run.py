@@ -47,8 +47,8 @@ def run(out: Path, max_grad_norm: float) -> Path:
 def check(a: Path, b: Path) -> None:
     """`a` clipped at 1.0, `b` at 1e-3: the callback wrote exactly what Trainer logged, the
     digests, the manifest, the pre-clip gradients and the op trace that tell them apart."""
-    from parity.compare import compare_frames
-    from parity.diagnose import diagnose, read_rank_data
+    from parity.judge.compare import compare_frames
+    from parity.judge.diagnose import diagnose, read_rank_data
     from parity.readers import read_metrics
 
     mine, hf = read_metrics(a), read_metrics(a / "trainer_state.json")

@@ -24,7 +24,7 @@ import pytest
 from helpers import interruptible
 
 import parity.bisect
-import parity.revisions
+import parity.check
 from parity.bisect import bisect
 from parity.cli import main
 
@@ -177,7 +177,7 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
     trees = fake_runs(monkeypatch, restarted=True)
     reads, compares, gits = [], [], []
     real_read, real_compare, real_git = (
-        parity.bisect.read_metrics, parity.bisect.compare_frames, parity.revisions.git
+        parity.bisect.read_metrics, parity.bisect.compare_frames, parity.check.git
     )  # fmt: skip
 
     def read(path, fmt=None, **kw):
@@ -194,7 +194,7 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
 
     monkeypatch.setattr(parity.bisect, "read_metrics", read)
     monkeypatch.setattr(parity.bisect, "compare_frames", compare)
-    monkeypatch.setattr(parity.revisions, "git", git_call)
+    monkeypatch.setattr(parity.check, "git", git_call)
     policies = {"train/loss": "ulp:1@-3,exact@4-"}
     result = bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, policies=policies,
                     fmt="jsonl", duplicates="last", allow_skipped=True)  # fmt: skip

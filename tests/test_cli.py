@@ -101,7 +101,7 @@ def test_pair_command_reports_a_failed_run(tmp_path):
 
 
 def test_progress_counts_logged_steps(tmp_path):
-    from parity.runs import Progress, steps_logged
+    from parity.run.job import Progress, steps_logged
 
     metrics = tmp_path / "metrics.jsonl"
     assert steps_logged(metrics) == 0  # not written yet
@@ -138,7 +138,7 @@ def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeyp
     """A misspelled override reaches the job as a flag it does not know: exit 2 and one line
     naming the spec, not "run failed" (3). Other failures with exit code 2 stay failures."""
     import parity.pair
-    from parity.launch import LaunchError, LaunchResult, RankFailure
+    from parity.run.launch import LaunchError, LaunchResult, RankFailure
 
     tail = _refusal_tail(tmp_path, capsys, "--val-sampels", "3")
     spec = tmp_path / "pair.toml"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from parity.compare import (
+from parity.judge.compare import (
     ULP_MAX,
     IncompleteRunError,
     Policy,
@@ -555,12 +555,12 @@ def test_look_alike_names_that_differ_diverge():
 
 
 def test_every_noise_pattern_holds_a_search_keyword():
-    """_noise_mask only matches names that hold one of NOISE_KEYWORDS: every pattern must hold
+    """noise_mask only matches names that hold one of NOISE_KEYWORDS: every pattern must hold
     one in a literal piece, with either separator, "\\n" marking the end of the name."""
     import itertools
     import re as regex
 
-    from parity.compare import NOISE_KEYWORDS, NOISE_PATTERNS
+    from parity.judge.policy import NOISE_KEYWORDS, NOISE_PATTERNS
 
     for pattern in NOISE_PATTERNS:
         group = pattern.endswith("/**")
@@ -575,13 +575,13 @@ def test_every_noise_pattern_holds_a_search_keyword():
 
 
 def test_noise_of_many_names_at_once_is_noise_of_each():
-    from parity.compare import _noise_mask
+    from parity.judge.policy import noise_mask
 
     names = [*LOOK_ALIKES, "perf/mfu", "x/tokens/s", "x.tokens.s", "a/tps", "A/TPS", "tps_x",
              "İ/time", "İtime", "ß/mfu", "new\nline/time", "train/loss", "perf/", ""]  # fmt: skip
     want = [default_policy(n).kind == "ignore" for n in names]
-    assert _noise_mask(names).tolist() == want
-    assert _noise_mask([n for n in names if "\n" not in n]).tolist() == [
+    assert noise_mask(names).tolist() == want
+    assert noise_mask([n for n in names if "\n" not in n]).tolist() == [
         w for n, w in zip(names, want, strict=True) if "\n" not in n
     ]
 
@@ -592,7 +592,7 @@ def test_noise_of_many_names_at_once_is_noise_of_each():
 def reference(a, b, policies=None, allow_missing=False):
     """The metric-by-metric comparison compare_frames made before it worked on whole arrays:
     each column read through pandas, each metric judged by _compare_metric."""
-    from parity.compare import _compare_metric, resolve_policy
+    from parity.judge.compare import _compare_metric, resolve_policy
     from parity.readers import present_mask
     from parity.readers.frame import FLOAT64, coarser
 
@@ -731,7 +731,7 @@ EVIL = [
 
 
 def test_printable_escapes_control_characters():
-    from parity.compare import printable
+    from parity.judge.compare import printable
 
     assert printable("train/loss") == "train/loss"
     assert printable("a\nb\rc\td") == "a\\nb\\rc\\td"
@@ -756,7 +756,7 @@ def test_table_shows_names_and_sources_with_control_characters_escaped():
 
 
 def test_noise_floor_shows_names_printable():
-    from parity.noise import floor_from_frames
+    from parity.judge.noise import floor_from_frames
 
     a, again = frame(dict.fromkeys(EVIL, [1.0, 2.0])), frame(dict.fromkeys(EVIL, [1.0, 2.5]))
     floor = floor_from_frames(a, again)

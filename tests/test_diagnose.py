@@ -16,8 +16,8 @@ import torch
 from specs import EPOCHS, FINGERPRINTED, FIXED, PPO_SHORT, legacy_vs_worker, plain
 
 from parity.cli import main
-from parity.compare import compare_frames
-from parity.diagnose import (
+from parity.judge.compare import compare_frames
+from parity.judge.diagnose import (
     DiagnosisError,
     diagnose,
     rank_agreement,

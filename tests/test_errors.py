@@ -13,10 +13,10 @@ import pytest
 
 import parity.cli
 from parity.cli import EXIT_INTERNAL, main
-from parity.compare import Policy, compare_frames
 from parity.errors import InputError, PolicyError, SpecError
-from parity.golden import GoldenError, read_manifest
-from parity.onpolicy import KINDS
+from parity.judge.compare import Policy, compare_frames
+from parity.judge.golden import GoldenError, read_manifest
+from parity.judge.onpolicy import KINDS
 from parity.outdir import OutDir, OutputError
 from parity.readers import MetricsError, write_metrics
 
@@ -26,18 +26,18 @@ INPUT_ERRORS = [
     ("parity.errors", "PolicyError"),
     ("parity.spec", "SpecError"),
     ("parity.tasks", "TaskError"),
-    ("parity.compare", "PolicyError"),
+    ("parity.judge.compare", "PolicyError"),
     ("parity.readers.frame", "MetricsError"),
     ("parity.readers.frame", "IncompleteRunError"),
     ("parity.readers.frame", "SkippedRecordsError"),
     ("parity.readers", "ReadOptionError"),
     ("parity.readers", "ReaderPluginError"),
     ("parity.outdir", "OutputError"),
-    ("parity.golden", "GoldenError"),
-    ("parity.diagnose", "DiagnosisError"),
-    ("parity.opdiff", "OpTraceError"),
-    ("parity.onpolicy", "ChainError"),
-    ("parity.revisions", "RevisionError"),
+    ("parity.judge.golden", "GoldenError"),
+    ("parity.judge.diagnose", "DiagnosisError"),
+    ("parity.judge.opdiff", "OpTraceError"),
+    ("parity.judge.onpolicy", "ChainError"),
+    ("parity.check", "RevisionError"),
 ]
 
 

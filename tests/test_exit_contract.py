@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 import parity.bisect
+import parity.check
 import parity.cli
-import parity.onpolicy
+import parity.judge.onpolicy
 import parity.pair
-import parity.revisions
-import parity.runs
-import parity.signals
+import parity.run.job
+import parity.run.signals
 from parity.cli import EXIT_INTERNAL, main
 from parity.errors import InputError
 
@@ -314,7 +314,7 @@ def test_an_unreadable_file_is_bad_input(tmp_path, capsys):
 
 
 def _chain_folder(d: Path, content: bytes | None) -> Path:
-    from parity.onpolicy import CHAIN_DIR
+    from parity.judge.onpolicy import CHAIN_DIR
 
     run = d / "run"
     chain = run / CHAIN_DIR
@@ -419,6 +419,6 @@ def test_a_closed_pipe_is_still_141(tmp_path, capsys, monkeypatch):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
     monkeypatch.setattr(parity.cli, "cmd_compare", closed)
-    monkeypatch.setattr(parity.signals, "quiet_closed_pipe", lambda: 141)  # keep pytest's stdout
+    monkeypatch.setattr(parity.run.signals, "quiet_closed_pipe", lambda: 141)  # pytest's stdout
     good = _good_run(tmp_path / "good")
     assert main(["compare", str(good), str(good)]) == 141

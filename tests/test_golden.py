@@ -8,7 +8,7 @@ import json
 import pytest
 from specs import FIXED, PPO
 
-from parity.golden import (
+from parity.judge.golden import (
     ENV_CHANGED,
     MATCH,
     REGRESSION,
@@ -155,7 +155,7 @@ def test_a_golden_of_the_older_one_baseline_layout_is_still_read(tmp_path):
 
 def test_check_against_a_golden_folder_names_its_baselines(tmp_path):
     """`parity check --golden` compares with one file: given a golden's folder it names them."""
-    from parity.revisions import RevisionError, check_golden
+    from parity.check import RevisionError, check_golden
 
     golden = tmp_path / "golden"
     old = save_golden(golden, _run(tmp_path / "old", [3.0]))

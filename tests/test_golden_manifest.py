@@ -8,7 +8,7 @@ import json
 import pytest
 
 from parity.cli import main
-from parity.golden import GoldenError, read_manifest, save_golden, verify_golden
+from parity.judge.golden import GoldenError, read_manifest, save_golden, verify_golden
 
 ENV = {"environment": {"python": "3.11.7", "torch": "2.13.0+cpu"}, "device": "cpu"}
 

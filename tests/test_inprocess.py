@@ -25,7 +25,7 @@ from specs import LAUNCH_MODES
 
 from parity import assert_parity
 from parity.files import launch_dir
-from parity.inprocess import (
+from parity.run.inprocess import (
     SEPARATOR,
     SideRunner,
     _Baseline,
@@ -108,9 +108,9 @@ def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     base = JobSpec(task="charcount-sft", world_size=2, inject=["lr-before-step"])
     specs = [JobSpec(task="charcount-sft", world_size=2, trainer="legacy"), base]
     args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
-    assert args[:2] == ["-m", "parity.inprocess"] and args.count("parity.inject") == 1
+    assert args[:2] == ["-m", "parity.run.inprocess"] and args.count("parity.run.inject") == 1
     opts, sides = _parse(args[2:])
-    assert [m for m, _ in sides] == ["worker.sft", "parity.inject"]
+    assert [m for m, _ in sides] == ["worker.sft", "parity.run.inject"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
     module, side_args, mutants, _ = _unwrap_inject(*sides[1])
     assert (module, mutants) == ("worker.sft", ["lr-before-step"])
@@ -127,8 +127,8 @@ def test_mutants_are_undone_after_their_side(tmp_path):
     script = (
         "import sys\n"
         "from torch.utils.data import DistributedSampler\n"
-        "from parity.inject import apply_mutants\n"
-        "from parity.inprocess import Patches\n"
+        "from parity.run.inject import apply_mutants\n"
+        "from parity.run.inprocess import Patches\n"
         "from worker.mutants import MUTANTS\n"
         "before = DistributedSampler.set_epoch, DistributedSampler.__init__\n"
         "patches = Patches(skip={'worker'})\n"
@@ -222,11 +222,11 @@ def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
     `job(separate=True)` and a pair with one side cached launch on their own."""
     import pandas as pd
 
-    import parity.inprocess
-    import parity.runs
-    from parity.launch import LaunchResult
+    import parity.run.inprocess
+    import parity.run.job
     from parity.plugin import ParityRunner
-    from parity.runs import Run
+    from parity.run.job import Run
+    from parity.run.launch import LaunchResult
 
     launches = []
 
@@ -244,8 +244,8 @@ def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):
         a, b = pair.sides()
         return fake_run(a, Path(out) / "a", True), fake_run(b, Path(out) / "b", True)
 
-    monkeypatch.setattr(parity.runs, "run_job", run_job)
-    monkeypatch.setattr(parity.inprocess, "run_pair_in_process", run_pair_in_process)
+    monkeypatch.setattr(parity.run.job, "run_job", run_job)
+    monkeypatch.setattr(parity.run.inprocess, "run_pair_in_process", run_pair_in_process)
     runner = ParityRunner(tmp_path)
     base = JobSpec(task="charcount-sft", world_size=2)
     pair = PairSpec.from_variants(base, "legacy", "worker")

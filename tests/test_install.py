@@ -87,7 +87,7 @@ USER_TORCH_ENVS = {
 }
 # where a plain `pip install` replaces a package the user has, so the harness goes in under the
 # env's own freeze as constraints: pandas>=2.0 resolves to pandas 3.1, which needs numpy>=2.0.2,
-# so pip upgrades numpy 1.26.4 to 2.x (README, Install: `pip install llm-parity -c <(pip freeze)`)
+# so pip upgrades numpy 1.26.4 to 2.x (docs/install.md: `pip install llm-parity -c <(pip freeze)`)
 KEEP_BY_CONSTRAINTS = {"2.4.1"}
 USER_TORCH_DISK = 8 << 30  # free bytes a first build needs (~5 GB each, and pip's downloads)
 TRACE_STEP = 3  # the step foreign_loop.py traces: its planted bugs start there (PLANT_STEP)
@@ -421,7 +421,7 @@ def _check(venv: Venv, tmp_path: Path) -> None:
 @pytest.mark.parity
 @pytest.mark.xfail(
     strict=True,
-    reason="parity.launch starts every job as `python -m torch.distributed.run`, a "
+    reason="parity.run.launch starts every job as `python -m torch.distributed.run`, a "
     "distributed = false one too, so a venv without torch cannot run it",
 )
 def test_check_runs_a_plain_python_job_without_torch(bare, tmp_path):
@@ -454,7 +454,7 @@ def test_pip_leaves_the_users_torch_and_the_recorder_runs_on_it(
     folders and op traces, written under it, read as under the suite's torch: two runs aligned,
     every traced op the same, each forward and backward op under its module's name; a planted
     gradient bug diverged, the ops only it runs named by their parameter."""
-    from parity.opdiff import compare_ops
+    from parity.judge.opdiff import compare_ops
 
     v = user_torch
     gone = [line for line in v.freeze_before if line not in v.freeze_after]

@@ -1,4 +1,4 @@
-"""Tests of parity.launch: real torchrun runs of tests/dummy_job.py plus fast unit tests."""
+"""Tests of parity.run.launch: real torchrun runs of tests/dummy_job.py plus fast unit tests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import interruptible, procs_mentioning
 
-from parity.launch import (
+from parity.run.launch import (
     LAUNCH_ID_ENV,
     LaunchError,
     LaunchResult,
@@ -212,7 +212,7 @@ def test_orphan_in_its_own_session_is_killed() -> None:
 def test_ctrl_c_in_parent_kills_the_job(tmp_path: Path) -> None:
     """KeyboardInterrupt while waiting must not leave torchrun or its workers running."""
     code = (
-        "import sys; from pathlib import Path; from parity.launch import launch; "
+        "import sys; from pathlib import Path; from parity.run.launch import launch; "
         "launch([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]), "
         "env={'DUMMY_MODE': 'hang'}, timeout_s=120)"
     )

@@ -2,9 +2,10 @@
 imports one of a higher layer, nor another module's private names.
 
     base     record/ (imports nothing else of parity), readers/, errors, files, outdir
-    judge    spec, tasks, compare, noise, golden, diagnose, opdiff, onpolicy, topology, report
-    run      signals, world, launch, slurm, runs, inject, inprocess, pool, trace_rerun
-    orchestration  pair, revisions (check), bisect
+    judge    judge/ (policy, ulp, compare, noise, golden, diagnose, opdiff, onpolicy, topology),
+             spec, tasks, report
+    run      run/ (signals, world, launch, slurm, job, inject, inprocess, pool, trace_rerun)
+    orchestration  pair, check, bisect
     faces    cli, plugin, the package's lazy exports (parity/__init__.py)
 
 Imports under ``if TYPE_CHECKING:`` are annotations only and not counted; an import inside a
@@ -21,16 +22,12 @@ import pytest
 PARITY = Path(__file__).resolve().parents[1] / "parity"
 
 LAYERS = {
-    "base": ["parity.record", "parity.readers", "parity.errors", "parity.files", "parity.outdir",
-             "parity.sitehook"],
-    "judge": ["parity.spec", "parity.tasks", "parity.compare", "parity.noise", "parity.golden",
-              "parity.diagnose", "parity.opdiff", "parity.onpolicy", "parity.topology",
-              "parity.report"],
-    "run": ["parity.signals", "parity.world", "parity.launch", "parity.slurm", "parity.runs",
-            "parity.inject", "parity.inprocess", "parity.pool", "parity.trace_rerun"],
-    "orchestration": ["parity.pair", "parity.revisions", "parity.bisect"],
+    "base": ["parity.record", "parity.readers", "parity.errors", "parity.files", "parity.outdir"],
+    "judge": ["parity.spec", "parity.tasks", "parity.judge", "parity.report"],
+    "run": ["parity.run"],
+    "orchestration": ["parity.pair", "parity.check", "parity.bisect"],
     "faces": ["parity.cli", "parity.plugin", "parity"],
-}  # fmt: skip
+}
 ORDER = list(LAYERS)
 
 

@@ -21,8 +21,8 @@ from specs import (
 )
 from test_invariance import INVARIANCE
 
-from parity.compare import Comparison, compare_frames
-from parity.diagnose import rank_agreement
+from parity.judge.compare import Comparison, compare_frames
+from parity.judge.diagnose import rank_agreement
 from parity.spec import PairSpec
 from worker.mutants import MUTANTS
 

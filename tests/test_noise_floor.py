@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from parity.noise import floor_from_frames
+from parity.judge.noise import floor_from_frames
 from parity.spec import JobSpec, PairSpec
 
 JOB = """\

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from specs import PPO
 
 from parity.cli import main
-from parity.compare import compare_frames
-from parity.onpolicy import ChainError, judge_chain, load_chain
+from parity.judge.compare import compare_frames
+from parity.judge.onpolicy import ChainError, judge_chain, load_chain
 
 # --- the judge, on hand-written files ------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Op-level traces of one step (parity.record.optrace) and the first op that differs
-(parity.opdiff): fast tests on a toy loop, `parity` tests on worker vs worker + a mutant."""
+(parity.judge.opdiff): fast tests on a toy loop, `parity` tests on worker vs worker + a mutant."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from specs import SEQ_MEAN
 
-from parity.opdiff import compare_ops, ulp_distance
+from parity.judge.opdiff import compare_ops, ulp_distance
 from parity.record import trace_ops
 from parity.spec import JobSpec
 
@@ -143,7 +143,7 @@ def test_ulp_distance():
     ],
 )  # fmt: skip
 def test_read_ops_names_the_line_it_cannot_use(tmp_path, line, why):
-    from parity.opdiff import OpTraceError, read_ops
+    from parity.judge.opdiff import OpTraceError, read_ops
 
     path = tmp_path / "rank0.jsonl"
     path.write_text('{"i": 0, "phase": "step", "module": "", "op": "o", "n": 0, "out": [], '

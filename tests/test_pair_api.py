@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 import parity.pair
-import parity.runs
-import parity.trace_rerun
+import parity.run.job
+import parity.run.trace_rerun
 from parity.cli import main
-from parity.launch import LaunchResult
-from parity.opdiff import OPS_DIR, OpDiff
+from parity.judge.opdiff import OPS_DIR, OpDiff
 from parity.readers import read_metrics
-from parity.runs import Run
+from parity.run.job import Run
+from parity.run.launch import LaunchResult
 from parity.spec import JobSpec, PairSpec
 
 STEPS = 3
@@ -46,7 +46,7 @@ def _write_run(folder: Path, loss_from: int | None) -> None:
 
 @pytest.fixture
 def fake_runs(monkeypatch):
-    """parity.runs.run_job writes a run folder instead of launching: side B ("worker") differs
+    """parity.run.job.run_job writes a run folder instead of launching: side B ("worker") differs
     from step 2; a traced rerun (trace-a/, trace-b/) leaves an ops/ trace, whose comparison
     names FIRST_OP. Returns the folders run, in order."""
     ran: list[str] = []
@@ -62,8 +62,8 @@ def fake_runs(monkeypatch):
 
     first = {"op": FIRST_OP, "where": FIRST_OP, "ulp": 1, "src": "worker/losses.py:1"}
     ops = OpDiff("differ", step=2, rank=0, ops_compared=3, first=first, origin="born here")
-    monkeypatch.setattr(parity.runs, "run_job", run_job)
-    monkeypatch.setattr(parity.trace_rerun, "compare_ops", lambda a, b: ops)
+    monkeypatch.setattr(parity.run.job, "run_job", run_job)
+    monkeypatch.setattr(parity.run.trace_rerun, "compare_ops", lambda a, b: ops)
     return ran
 
 

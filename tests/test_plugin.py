@@ -98,10 +98,10 @@ def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
     comparison of a pair for `parity pair`, run_pair and the plugin): a noisy side A gives the
     "nondeterministic" result against its repeat, as `parity pair --noise-floor` does."""
     import parity.pair
-    import parity.runs
-    from parity.launch import LaunchResult
+    import parity.run.job
     from parity.plugin import ParityRunner
-    from parity.runs import Run
+    from parity.run.job import Run
+    from parity.run.launch import LaunchResult
     from parity.spec import JobSpec, PairSpec
 
     losses = iter([[3.0, 2.0], [3.0, 2.0], [3.0, 2.5], [3.0, 2.0]])  # A, B; then A, A' differ
@@ -112,7 +112,7 @@ def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
 
     compared = []
     real = parity.pair.compare_frames
-    monkeypatch.setattr(parity.runs, "run_job", run_job)
+    monkeypatch.setattr(parity.run.job, "run_job", run_job)
     monkeypatch.setattr(parity.pair, "compare_frames", lambda *a: compared.append(a) or real(*a))
     runner = ParityRunner(tmp_path)
     pair = PairSpec.from_variants(JobSpec(task="charcount-sft", steps=2), "legacy", "worker")

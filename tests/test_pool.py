@@ -1,4 +1,4 @@
-"""Warm pools (parity.pool): many jobs in one launch give the bits separate launches give.
+"""Warm pools (parity.run.pool): many jobs in one launch give the bits separate launches give.
 
 The parity test runs, in one pool after a job that failed there (so in the second pool): a job
 with a mutant that patches torch itself, then the clean job, then the legacy trainer, and
@@ -23,12 +23,12 @@ from safetensors.torch import load_file
 from specs import LAUNCH_MODES
 
 from parity import assert_parity
-from parity.compare import compare_frames
 from parity.files import launch_dir
-from parity.launch import LaunchResult
+from parity.judge.compare import compare_frames
 from parity.plugin import ParityRunner
-from parity.pool import Pools
-from parity.runs import Run
+from parity.run.job import Run
+from parity.run.launch import LaunchResult
+from parity.run.pool import Pools
 from parity.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,8 @@ def test_a_pool_rank_runs_queued_jobs_then_stops(tmp_path):
         (queue / f"job-{n:04d}.json").write_text(json.dumps(job))
     (queue / "job-0002.json").write_text(json.dumps({"stop": True}))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "parity.pool", "--queue", str(queue), "--parent", str(os.getpid())]
+    cmd = [sys.executable, "-m", "parity.run.pool", "--queue", str(queue),
+           "--parent", str(os.getpid())]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for n, name in enumerate(("one", "two")):
@@ -108,7 +109,7 @@ def test_a_pool_rank_exits_when_its_harness_is_gone(tmp_path):
     queue.mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout  # fmt: skip
-    cmd = [sys.executable, "-m", "parity.pool", "--queue", str(queue), "--parent", gone.strip()]
+    cmd = [sys.executable, "-m", "parity.run.pool", "--queue", str(queue), "--parent", gone.strip()]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
@@ -116,7 +117,7 @@ def test_a_pool_rank_exits_when_its_harness_is_gone(tmp_path):
 def test_runner_launches_alone_what_a_pool_cannot_run(tmp_path, monkeypatch):
     """A job the pool refuses (two nodes) or fails on is launched alone, in a folder of its own;
     one that ran in the pool is cached, and `separate=True` still launches."""
-    import parity.runs
+    import parity.run.job
 
     frame = pd.DataFrame({"train/loss": [1.0]}, index=pd.Index([1], name="step"))
     launches, pooled = [], []
@@ -133,7 +134,7 @@ def test_runner_launches_alone_what_a_pool_cannot_run(tmp_path, monkeypatch):
         pooled.append(Path(out).name)
         return None if spec.seed == 1 else fake(spec, out, True)
 
-    monkeypatch.setattr(parity.runs, "run_job", run_job)
+    monkeypatch.setattr(parity.run.job, "run_job", run_job)
     runner = ParityRunner(tmp_path, pool=True)
     monkeypatch.setattr(runner.pools, "run", pool_run)
     ok = runner.job(JobSpec(task="charcount-sft", world_size=2))

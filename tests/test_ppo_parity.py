@@ -1,6 +1,7 @@
 """Legacy vs engine PPO on charcount RL, 2 ranks under torchrun: every update metric bitwise equal.
 
-Each claim is paired with a mutant (applied to side B by parity.inject) that the check must catch.
+Each claim is paired with a mutant (applied to side B by parity.run.inject) that the check must
+catch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from specs import PPO, PPO_SHORT, legacy_vs_worker
 
 from parity import assert_parity
-from parity.launch import LaunchError
+from parity.run.launch import LaunchError
 
 pytestmark = pytest.mark.parity
 

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 from parity.readers import MetricsError, detect, present_mask, read_metrics, write_metrics
 
 SETTINGS = settings(

@@ -127,7 +127,7 @@ def test_real_output_dir_detection_and_checkpoints(hf_run, tmp_path):
 def test_real_run_agrees_with_its_tensorboard_events(hf_run):
     """One run read from trainer_state.json and from the events HF's TensorBoardCallback wrote
     compares aligned: same names, same steps, values equal at the coarser precision."""
-    from parity.compare import compare_frames
+    from parity.judge.compare import compare_frames
 
     if not importlib.import_module("parity.readers.tensorboard").FORMATS:
         pytest.skip("the TensorBoard reader (parity/readers/tensorboard.py) is still a stub")

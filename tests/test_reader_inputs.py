@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import parity.readers as readers
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 from parity.readers import MetricsError, SkippedRecordsError, read_metrics
 from parity.readers.frame import HARD_MESSAGE, MAX_MESSAGE, UNFIT, clip_message, unfit
 from parity.readers.text import CUT_TAIL

@@ -212,7 +212,7 @@ def test_digits_beyond_float64_are_not_read_as_inf(tmp_path):
 def test_a_last_row_without_its_newline_is_a_cut_tail(tmp_path):
     """A save cut short: `0.25` of `0.2512` still parses; the row is skipped and counted, so
     compare refuses the side (no verdict from it) unless told to allow skipped records."""
-    from parity.compare import compare_frames
+    from parity.judge.compare import compare_frames
     from parity.readers import SkippedRecordsError
     from parity.readers.text import CUT_TAIL
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tqdm import tqdm
 
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 from parity.readers import read_metrics
 
 

@@ -477,7 +477,7 @@ SKIPPED_LINES = [
 def test_console_lines_that_do_not_parse_are_counted_and_refused(tmp_path, text, line, pattern):
     """A step line that does not parse is skipped, counted with its line, and compare refuses
     the side (no verdict from a partial read) unless skipped records are allowed."""
-    from parity.compare import compare_frames
+    from parity.judge.compare import compare_frames
     from parity.readers import SkippedRecordsError
 
     path = _write(tmp_path, "c.log", text)
@@ -615,13 +615,13 @@ def test_every_reader_module_declares_its_formats():
             assert REGISTRY[fmt.name] is fmt and fmt.detected_by and fmt.precision
 
 
-def test_readme_lists_every_format():
-    """The README's table of formats names each reader, as it detects and its precision."""
+def test_docs_list_every_format():
+    """docs/logs.md's table of formats names each reader, as it detects and its precision."""
     from parity.readers import REGISTRY
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    logs = (Path(__file__).resolve().parents[1] / "docs" / "logs.md").read_text()
     for fmt in REGISTRY.values():
-        assert f"| `{fmt.name}` | {fmt.detected_by} | {fmt.precision} |" in readme, fmt.name
+        assert f"| `{fmt.name}` | {fmt.detected_by} | {fmt.precision} |" in logs, fmt.name
 
 
 def test_verl_file_logger_train_and_val_records_of_one_step_merge(tmp_path):

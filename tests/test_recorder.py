@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from parity.cli import main
-from parity.compare import compare_frames
-from parity.diagnose import diagnose, rank_agreement, read_fingerprints, read_rank_data
-from parity.golden import FINGERPRINT_KEYS, MATCH, fingerprint, save_golden, verify_golden
-from parity.launch import LaunchError
+from parity.judge.compare import compare_frames
+from parity.judge.diagnose import diagnose, rank_agreement, read_fingerprints, read_rank_data
+from parity.judge.golden import FINGERPRINT_KEYS, MATCH, fingerprint, save_golden, verify_golden
 from parity.readers import read_metrics
 from parity.record import Recorder, record_run
-from parity.runs import run_job
+from parity.run.job import run_job
+from parity.run.launch import LaunchError
 from parity.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,8 @@ def test_a_resumed_run_reads_as_one(tmp_path):
 def test_a_step_logged_in_two_calls_reads_as_one_step(tmp_path):
     """Train metrics, then the last step's eval metrics in a second call: one step with both in
     metrics.jsonl and console.log (their readers merge a step's records); ranks/ and
-    fingerprints.jsonl keep one record a step, rewritten merged (parity.diagnose reads them)."""
+    fingerprints.jsonl keep one record a step, rewritten merged (parity.judge.diagnose reads
+    them)."""
     rec = Recorder(tmp_path, rank=0, fingerprint_steps=[3], console=True)
     model = torch.nn.Linear(3, 2)
     for step in (1, 2, 3):
@@ -220,7 +221,7 @@ def test_the_recorder_is_the_bottom_layer():
     code = (
         "import sys, parity.record as r, parity.record.env as e; r.Recorder; e.environment\n"
         "r.DataDigest\n"
-        "bad = ['pandas', 'transformers', 'worker', 'parity.compare', 'parity.readers']\n"
+        "bad = ['pandas', 'transformers', 'worker', 'parity.judge.compare', 'parity.readers']\n"
         "print([m for m in bad if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

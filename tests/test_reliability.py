@@ -18,11 +18,11 @@ import pytest
 from helpers import interruptible, oracle_val_loss, procs_mentioning
 
 from parity.cli import EXIT_RUN_FAILED, main
-from parity.compare import compare_frames
-from parity.launch import LaunchError, LaunchResult, RankFailure, launch_nodes, survivors
+from parity.judge.compare import compare_frames
 from parity.pair import PairResult
 from parity.readers import read_metrics
-from parity.runs import Run, mark_teardown, run_job
+from parity.run.job import Run, mark_teardown, run_job
+from parity.run.launch import LaunchError, LaunchResult, RankFailure, launch_nodes, survivors
 from parity.spec import JobSpec
 
 DUMMY = Path(__file__).with_name("dummy_job.py")
@@ -109,7 +109,7 @@ def test_hang_at_exit_is_a_teardown_hang_killed_after_the_exit_grace(tmp_path: P
 
 
 def test_end_record_written_reads_only_a_fresh_last_line(tmp_path: Path) -> None:
-    from parity.runs import end_record_written
+    from parity.run.job import end_record_written
 
     path = tmp_path / "metrics.jsonl"
     assert not end_record_written(path, 0)
@@ -191,7 +191,7 @@ def test_a_rank_failing_on_one_node_is_named_and_nothing_is_left(tmp_path: Path)
 @pytest.mark.parity
 def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from parity.launch import launch_nodes; "
+        "import sys; from pathlib import Path; from parity.run.launch import launch_nodes; "
         "launch_nodes([sys.argv[1], sys.argv[2], '--mode', 'hang'], nnodes=2, nproc=1, "
         "run_dir=Path(sys.argv[2]), timeout_s=120)"
     )
@@ -215,7 +215,7 @@ def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path) -> Non
 _SLOW_NODE_0_CLEANUP = """
 import sys, time
 from pathlib import Path
-import parity.launch as launch_module
+import parity.run.launch as launch_module
 
 def fake_launch(args, *, run_dir, on_tick, **kwargs):
     run_dir.mkdir(parents=True)
@@ -396,7 +396,7 @@ def test_nan_timeout_in_a_toml_spec_is_refused(tmp_path: Path) -> None:
 
 
 def test_golden_manifest_problems_are_one_line_errors(tmp_path: Path) -> None:
-    from parity.golden import GoldenError, save_golden, verify_golden
+    from parity.judge.golden import GoldenError, save_golden, verify_golden
 
     run = tmp_path / "run"
     run.mkdir()

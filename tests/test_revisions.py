@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import parity.revisions
-import parity.runs
+import parity.check
+import parity.run.job
 from parity.cli import main
-from parity.launch import LaunchResult
+from parity.run.launch import LaunchResult
 
 pytestmark = pytest.mark.parity
 
@@ -183,7 +183,7 @@ def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, cap
             raise KeyboardInterrupt
         return LaunchResult(returncode=1, timed_out=False, duration_s=0.0, run_dir=run_dir)
 
-    monkeypatch.setattr(parity.runs, "launch", fake_launch)
+    monkeypatch.setattr(parity.run.job, "launch", fake_launch)
     monkeypatch.chdir(repo)
     args = ["check", "--base", "HEAD~1", "--spec", "spec.toml", "--out", str(tmp_path)]
     if failure == "exception":
@@ -204,7 +204,7 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
     """Head (or the current tree) finishes its metrics, then a rank aborts at exit (a fake
     launcher; `parity pair`'s test uses a real one): the metrics are still compared and the
     crash is named."""
-    from parity.launch import RankFailure
+    from parity.run.launch import RankFailure
 
     lines = [json.dumps({"step": i, "train/loss": 1.0 / i}) for i in range(1, 6)]
     metrics = "\n".join([*lines, '{"event": "end", "steps": 5}\n'])
@@ -218,7 +218,7 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
         crash = RankFailure(rank=1, exitcode=-6, signal="SIGABRT", log_tail="")
         return LaunchResult(1, False, 1.0, run_dir, failures=[crash])
 
-    monkeypatch.setattr(parity.runs, "launch", fake_launch)
+    monkeypatch.setattr(parity.run.job, "launch", fake_launch)
     (tmp_path / "golden.jsonl").write_text(metrics)
     side = ["--base", "HEAD"] if against == "base" else ["--golden", str(tmp_path / "golden.jsonl")]
     flags = ["--allow-teardown-failure"] if allowed else []
@@ -240,8 +240,8 @@ def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, m
     """A run folder is read with format detection, so a file an earlier run left in it (an HF
     job's trainer_state.json, say) must not be read as this run's output: the folder starts
     empty. No real launch: the fake launcher writes nothing."""
-    from parity.launch import LaunchError
     from parity.outdir import OutDir
+    from parity.run.launch import LaunchError
     from parity.spec import JobSpec
 
     with OutDir.open(tmp_path) as held:  # an earlier run's folder, made by the harness
@@ -253,8 +253,8 @@ def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, m
         seen.append(sorted(p.name for p in (tmp_path / "base").iterdir()))
         return LaunchResult(returncode=0, timed_out=False, duration_s=0.0, run_dir=run_dir)
 
-    monkeypatch.setattr(parity.runs, "launch", fake_launch)
+    monkeypatch.setattr(parity.run.job, "launch", fake_launch)
     spec = JobSpec(task="custom", command=["job.py", "--out", "{out}"], world_size=1)
     with pytest.raises(LaunchError, match="exited 0 but wrote nothing in"):
-        parity.revisions.run_in_tree(spec, repo, run_dir)  # and is failed, not judged on it
+        parity.check.run_in_tree(spec, repo, run_dir)  # and is failed, not judged on it
     assert seen == [[]]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.revisions import RevisionError, resolve_revision
+from parity.check import RevisionError, resolve_revision
 
 SHALLOW = "(this is a shallow clone: fetch more history, e.g. git fetch --unshallow)"
 

@@ -20,10 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from parity.compare import compare_frames
-from parity.launch import LaunchResult
+from parity.judge.compare import compare_frames
 from parity.pair import PairResult, write_summary
-from parity.runs import Run
+from parity.run.job import Run
+from parity.run.launch import LaunchResult
 from parity.spec import JobSpec
 from worker.safe_checkpoint import SafeFileSystemReader, load_metadata
 

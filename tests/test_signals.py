@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from helpers import procs_mentioning
 
-from parity import signals
+from parity.run import signals
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def train(argv):
 
     if not dist.is_initialized():  # a launch of its own; in-process and pools have one
         dist.init_process_group("gloo")
-    dist.barrier()  # the ranks form their world (parity.world checks it)
+    dist.barrier()  # the ranks form their world (parity.run.world checks it)
     out = Path(argv[argv.index("--out") + 1])
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
@@ -384,7 +384,7 @@ def test_mutants_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     assert (proc.returncode, proc.stderr) == (signals.EXIT_CLOSED_PIPE, "")
 
 
-# --- parity.signals itself (in this process) -----------------------------------------------------
+# --- parity.run.signals itself (in this process) ----------------------------------------------
 
 
 @pytest.fixture

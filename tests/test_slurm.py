@@ -27,7 +27,7 @@ import pytest
 from helpers import procs_mentioning
 from test_bisect import JOB, commit_of, make_repo
 
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 from parity.readers import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_an_allocation_pending_too_long_is_cancelled_and_failed(cluster, tmp_pat
 
 def test_a_folder_the_nodes_do_not_share_is_failed_not_waited_on(cluster, tmp_path, monkeypatch):
     """As if the nodes wrote to a disk of their own: the agent's files never appear here."""
-    from parity import slurm
+    from parity.run import slurm
     from parity.spec import LauncherSpec
 
     monkeypatch.setattr(slurm, "_AGENT", "#!/bin/bash\n# {folder} {heartbeat}\nsleep 60\n")
@@ -322,7 +322,7 @@ def test_a_side_past_its_time_limit_is_failed_with_slurms_timeout(timeout_run):
 
 
 def test_srun_task_lines_give_each_nodes_exit_code():
-    from parity.slurm import _node_codes
+    from parity.run.slurm import _node_codes
 
     text = ("srun: error: n2: task 1: Exited with exit code 3\n"
             "srun: error: n1: tasks 0,2-3: Killed\n")  # fmt: skip
@@ -330,7 +330,7 @@ def test_srun_task_lines_give_each_nodes_exit_code():
 
 
 def test_topology_line_only_when_the_nodes_differ():
-    from parity import topology
+    from parity.judge import topology
 
     a = {"launcher": "slurm", "job_id": "7", "nodes": ["n1", "n2"], "nproc_per_node": 1}
     assert topology.line(a, dict(a, job_id="8")) == ""  # other job, same nodes: same topology

@@ -25,7 +25,7 @@ def test_sft_args(tmp_path: Path) -> None:
         inject=["no_clip", "bad_scale"],
     )  # fmt: skip
     assert spec.to_args(tmp_path) == [
-        "-m", "parity.inject", "--mutants", "no_clip,bad_scale",
+        "-m", "parity.run.inject", "--mutants", "no_clip,bad_scale",
         "-m", "worker.sft", "--trainer", "legacy", "--out", str(tmp_path),
         "--steps", "5", "--seed", "3", "--engine", "ddp", "--global-batch-size", "16",
         "--micro-batch-size", "4", "--max-tokens-per-rank", "512", "--model", "/m",
@@ -59,8 +59,10 @@ def test_custom_command_substitutes_out(tmp_path: Path) -> None:
         ({"micro_batch_size": None}, "micro_batch_size is required unless dynamic_bsz"),
         ({"task": "custom"}, "task 'custom' needs a command"),
         ({"command": ["x.py"]}, "command is only used by task 'custom'"),
-        ({"task": "pretrain"}, "task 'pretrain' is not known; known: custom, charcount-ppo, "
-         "charcount-sft"),
+        (
+            {"task": "pretrain"},
+            "task 'pretrain' is not known; known: custom, charcount-ppo, charcount-sft",
+        ),
         ({"engine": "deepspeed"}, "engine must be one of fsdp2, ddp"),
         ({"val_loss": "mean"}, "val_loss must be one of fixed, legacy"),
         ({"steps": "3"}, "steps must be an integer, got '3'"),
@@ -171,19 +173,20 @@ def test_load_missing_file(tmp_path: Path) -> None:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end > 0 else None]
+def _spec_doc() -> str:
+    """docs/spec.md up to its section on other packages' tasks: the job spec's own keys."""
+    text = (ROOT / "docs" / "spec.md").read_text()
+    assert text.startswith("# The job spec\n"), "docs/spec.md: no '# The job spec' title"
+    end = text.find("\n## Tasks, mutants and readers")
+    return text[: end if end > 0 else None]
 
 
-def test_every_example_in_the_readmes_spec_section_loads(tmp_path: Path) -> None:
+def test_every_example_in_the_spec_docs_loads(tmp_path: Path) -> None:
     import re
 
     from parity.spec import load_policies, load_read_options
 
-    blocks = re.findall(r"```toml\n(.*?)```", _readme_section("The job spec"), re.S)
+    blocks = re.findall(r"```toml\n(.*?)```", _spec_doc(), re.S)
     assert len(blocks) >= 2
     for i, block in enumerate(blocks):
         path = tmp_path / f"example{i}.toml"
@@ -215,10 +218,10 @@ def test_the_example_spec_has_every_key(tmp_path: Path, capsys) -> None:
     assert shown["b"]["env"] == {"ACCELERATE_USE_CPU": "true", "MY_FLAG": "new"}
 
 
-def test_every_key_is_in_the_readme_table() -> None:
+def test_every_key_is_in_the_spec_docs_table() -> None:
     import dataclasses
 
-    section = _readme_section("The job spec")
+    section = _spec_doc()
     for f in dataclasses.fields(JobSpec):
         if f.name == "options":  # a preset's own keys: `parity tasks` lists them
             continue
@@ -227,7 +230,7 @@ def test_every_key_is_in_the_readme_table() -> None:
 
 def test_unknown_keys_are_answered_with_the_valid_ones(tmp_path: Path) -> None:
     path = tmp_path / "job.toml"
-    path.write_text('wrld_size = 2\n')
+    path.write_text("wrld_size = 2\n")
     with pytest.raises(SpecError, match="did you mean 'world_size'.*valid keys: task, command"):
         load_spec(path)
     path.write_text('[read]\nduplicate = "last"\n')
@@ -249,7 +252,7 @@ def test_env_is_strings_by_name() -> None:
 
 
 def test_the_reproduce_line_masks_secrets() -> None:
-    from parity.launch import reproduce_line
+    from parity.run.launch import reproduce_line
 
     line = reproduce_line(
         ["python", "train.py"], {"HF_TOKEN": "hf_abc", "api_key": "k", "MODE": "a b"}

@@ -32,9 +32,9 @@ from pathlib import Path
 import pytest
 
 from parity import assert_parity
-from parity.compare import compare_frames
-from parity.diagnose import diagnose
-from parity.golden import MATCH, baseline_for, verify_golden
+from parity.judge.compare import compare_frames
+from parity.judge.diagnose import diagnose
+from parity.judge.golden import MATCH, baseline_for, verify_golden
 from parity.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]

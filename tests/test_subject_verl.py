@@ -50,8 +50,8 @@ import numpy as np
 import pytest
 
 from parity.cli import main as parity_main
-from parity.compare import compare_frames
-from parity.diagnose import diagnose, read_fingerprints, read_rank_data
+from parity.judge.compare import compare_frames
+from parity.judge.diagnose import diagnose, read_fingerprints, read_rank_data
 from parity.readers import read_metrics
 from subjects import envs
 from subjects import verl as subject

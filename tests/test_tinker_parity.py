@@ -23,7 +23,7 @@ from specs import LAUNCH_MODES
 from test_invariance import INVARIANCE
 
 from parity import assert_parity
-from parity.compare import compare_frames
+from parity.judge.compare import compare_frames
 
 pytestmark = pytest.mark.parity
 

@@ -1,5 +1,5 @@
 """A pair that diverged on the same batches is rerun up to its first divergent step with every op
-of that step traced (parity.trace_rerun): `parity pair` (parity.pair.run_pair) does it by itself
+of that step traced (parity.run.trace_rerun): `parity pair` (parity.pair.run_pair) does it by itself
 and names the first differing op, in its output and its summary.json; a saved state before the
 step is resumed from; PPO traces the actor's update."""
 
@@ -12,9 +12,9 @@ import pytest
 from specs import PPO, SEQ_MEAN
 
 from parity.cli import main
-from parity.opdiff import compare_ops
+from parity.judge.opdiff import compare_ops
+from parity.run.trace_rerun import saved_states, trace_first_divergence
 from parity.spec import JobSpec
-from parity.trace_rerun import saved_states, trace_first_divergence
 from worker.presets import traced as traced_spec
 
 # --- fast: what is rerun, from where ------------------------------------------------------------

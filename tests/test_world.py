@@ -1,4 +1,5 @@
-"""The world a job really ran in (parity.world, parity/sitehook): a side whose ranks did not form
+"""The world a job really ran in (parity.run.world, parity/run/sitehook): a side whose ranks did
+not form
 one process group of the requested size, or formed one and never used it, is failed, never
 judged; with the spec's [env] the same script forms its world and a 2-rank-only bug is caught."""
 
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from parity.launch import LaunchError, launch
 from parity.pair import run_pair
+from parity.run.launch import LaunchError, launch
+from parity.run.world import HOOK_DIR, WORLD_DIR_ENV, judge
 from parity.spec import JobSpec, PairSpec, SpecError, load_spec
-from parity.world import HOOK_DIR, WORLD_DIR_ENV, judge
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_LOOP = str(ROOT / "tests" / "accelerate_loop.py")

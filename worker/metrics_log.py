@@ -1,5 +1,5 @@
 """What a job writes: exact JSONL metrics, verl-style console lines and a manifest (rank 0), and
-every rank's own record for `parity.diagnose` (JobLog), all through the recorder any training
+every rank's own record for `parity.judge.diagnose` (JobLog), all through the recorder any training
 loop uses (`parity.record`): one way to write a run.
 
 Floats go through Python's json (shortest repr, round-trips bit for bit; NaN/Infinity spelled as
@@ -60,7 +60,7 @@ class MetricsLog:
 
 
 class JobLog(MetricsLog):
-    """metrics.jsonl as before (rank 0, unchanged), plus what `parity.diagnose` reads.
+    """metrics.jsonl as before (rank 0, unchanged), plus what `parity.judge.diagnose` reads.
 
     Every rank writes ranks/rank{r}.jsonl: its own post-reduction metrics (which must equal rank
     0's bit for bit) and, in `_meta.data`, the digest of what it ran that step (the engines share

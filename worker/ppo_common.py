@@ -181,7 +181,8 @@ class PPOJob:
         critic_model = load_value_model(cfg.model, cfg.attn, cfg.seed, invariant)
         critic = Engine(critic_model, cfg.engine, cfg.optim(cfg.critic_lr), d)
         ref = Engine(load_model(cfg.model, cfg.attn, invariant), cfg.engine, cfg.optim(0.0), d)
-        # what parity.diagnose reads: each step's prompts, the rollout's scoring forwards and the
+        # what parity.judge.diagnose reads: each step's prompts, the rollout's scoring forwards and
+        # the
         # update micro-batches of every rank; actor and critic fingerprints at the chosen steps
         digest = DataDigest()
         for engine in (actor, critic, ref):

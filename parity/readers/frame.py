@@ -452,7 +452,7 @@ class ReadOptions:
 
 @dataclass(frozen=True)
 class Format:
-    """A format: its name (--format), how it claims a path, how it reads it, and the README's
+    """A format: its name (--format), how it claims a path, how it reads it, and docs/logs.md's
     words for both.
 
     ``claims(path, head)``: head is the file's first bytes (``HEAD_BYTES``), None for a folder.

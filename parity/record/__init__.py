@@ -16,7 +16,7 @@ It writes metrics.jsonl (exact floats, the end record last), manifest.json (the 
 golden baselines are keyed on), ranks/rank{r}.jsonl (batch digests and each rank's own metrics)
 and fingerprints.jsonl; `with trace_ops(out, step, model):` around one step writes ops/ (every
 op's output hash, parity.record.optrace): what `parity compare`, `report`, goldens, the noise
-floor and `parity.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's
+floor and `parity.judge.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's
 Trainer and TRL's trainers.
 
 The bottom layer: it imports only torch and the standard library (nothing from the rest of

@@ -3,7 +3,8 @@
 A `DataDigest` folds every micro-batch a rank runs into a running hash per kind ("train", "val";
 PPO also "prompts" and "rollout"); `model_fingerprint` hashes every full parameter and gradient.
 The recorder writes them next to metrics.jsonl (ranks/rank{r}.jsonl, fingerprints.jsonl) and
-`parity.diagnose` reads the files. Hashes are short blake2b hex digests of shape, dtype and raw
+`parity.judge.diagnose` reads the files. Hashes are short blake2b hex digests of shape, dtype and
+raw
 bytes, so they are equal exactly when the bits are.
 """
 

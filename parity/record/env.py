@@ -1,6 +1,7 @@
 """The environment a run was made in, and the manifest that carries it.
 
-Bitwise equality is only promised within one environment: the keys `parity.golden` fingerprints
+Bitwise equality is only promised within one environment: the keys `parity.judge.golden`
+fingerprints
 (`environment.python`, `.torch`, `.transformers`, `.machine`, `.cpu_isa`, `.cpu_vendor`, `.cuda`,
 `.gpu`, then `backend`, `device`, `world_size`, `determinism.num_threads`) are all written here.
 Only torch and the standard library are imported; transformers' version is read without

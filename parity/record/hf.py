@@ -29,7 +29,7 @@ What it writes into `args.output_dir` (or `out`):
   `accelerator.clip_grad_norm_` (called every step, with or without clipping).
 - ops/rank{r}.jsonl (every rank, with `trace_step=K`): every op of step K, from its first forward
   to the end of its optimizer step (`on_step_begin` to `on_step_end`; parity.record.optrace), for
-  `parity.opdiff` to name the first op that differs from another run's trace of that step.
+  `parity.judge.opdiff` to name the first op that differs from another run's trace of that step.
 A run resumed from a checkpoint continues its files from the checkpoint's step.
 
 Imports transformers (when this module is imported); `parity.record` itself needs only torch.

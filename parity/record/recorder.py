@@ -12,7 +12,7 @@ end records come last (metrics.jsonl's very last), so a run that crashed reads a
 A step may be logged in more calls than one (its train metrics, then its eval metrics): each
 call adds keys the step does not have yet. metrics.jsonl and console.log get another line of
 that step (the readers merge a step's records); ranks/rank{r}.jsonl and fingerprints.jsonl keep
-one record a step, which parity.diagnose reads, so their line of the step is rewritten merged.
+one record a step, which parity.judge.diagnose reads, so their line of the step is rewritten merged.
 A key the step already has is refused at the call (ValueError), on the rank that logs it, as is
 a step logged again after a later one: the readers would refuse the run after it ended.
 """
@@ -276,7 +276,7 @@ class Recorder:
         again: bool,
     ) -> None:
         """This rank's record of the step: a new line, or the step's line rewritten with this
-        call's metrics and digests merged in (one record a step, as parity.diagnose reads)."""
+        call's metrics and digests merged in (one record a step, as parity.judge.diagnose reads)."""
         assert self._ranks is not None
         previous = self._rank_record if again else None
         extra: dict[str, Any] = dict(previous["_meta"]) if previous else {}

@@ -6,7 +6,7 @@ the TRL subject runs it in its own venv, where `parity` is not installed but thi
 the path.
 
 The recorder writes, per rank, ``ranks/rank{r}.jsonl`` (the rank's own logged metrics and a
-digest of the micro-batches its model ran that step, the format ``parity.diagnose`` reads), at
+digest of the micro-batches its model ran that step, the format ``parity.judge.diagnose`` reads), at
 ``--fingerprint-steps`` ``fingerprints.jsonl`` (rank 0: a hash of every parameter before the
 step's update and of every pre-clip gradient) and ``manifest.json`` (rank 0: the environment
 golden baselines are keyed on). The metrics stay Trainer's own ``trainer_state.json``: the

@@ -14,7 +14,7 @@ It reads only the files a job writes next to metrics.jsonl through the recorder
   the mini-batch shuffle or packing.
 - ``ops/rank{r}.jsonl``: every op of one traced step (``--trace-step K``, ``trace_ops``):
   the first op whose output differs, its ULP distance and whether its inputs were equal, and
-  the ops only one side runs (``parity.opdiff``).
+  the ops only one side runs (``parity.judge.opdiff``).
 - ``fingerprints.jsonl``: rank 0's hash of every full parameter (before the step's update) and
   pre-clip gradient at the ``--fingerprint-steps``: the first step and the tensors that differ
   point at a layer.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from parity.compare import Comparison, compare_frames, json_value, printable
-from parity.opdiff import OpDiff, compare_ops
+from parity.judge.compare import Comparison, compare_frames, json_value, printable
+from parity.judge.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
 
 __all__ = [

@@ -19,17 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.compare import Comparison, Policy
-from parity.diagnose import Diagnosis
 from parity.errors import InputError
 from parity.files import launch_dir
-from parity.launch import LaunchError, LaunchResult
+from parity.judge.compare import Comparison, Policy
+from parity.judge.diagnose import Diagnosis
 from parity.outdir import OutDir
 from parity.pair import teardown_line, teardown_notes, teardown_verdict, topology_notes
 from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
 from parity.report import Report, build_report
-from parity.runs import detected, holding, launch_spec, mark_teardown
-from parity.signals import deferred
+from parity.run.job import detected, holding, launch_spec, mark_teardown
+from parity.run.launch import LaunchError, LaunchResult
+from parity.run.signals import deferred
 from parity.spec import READ_OPTIONS, JobSpec
 
 __all__ = [
@@ -57,7 +57,7 @@ class CheckResult:
     b_rev: str | None
     teardown: list[tuple[str, LaunchResult]] = field(default_factory=list)  # (side, launch)
     allow_teardown_failure: bool = False
-    diagnosis: Diagnosis | None = None  # parity.diagnose, computed once, for the report
+    diagnosis: Diagnosis | None = None  # parity.judge.diagnose, computed once, for the report
 
     @property
     def verdict(self) -> str:
@@ -77,7 +77,7 @@ def git(repo: Path, *args: str) -> str:
             text=True,
             stdin=subprocess.DEVNULL,
             timeout=300,
-            start_new_session=True,  # a terminal's Ctrl-C reaches us (parity.signals), not git
+            start_new_session=True,  # a terminal's Ctrl-C reaches us (parity.run.signals), not git
         )
     except (OSError, subprocess.SubprocessError) as e:
         raise RevisionError(f"git {args[0]}: {e}") from None
@@ -114,7 +114,7 @@ def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Pa
     folder on the file system the nodes share; default the system's temp folder), removed and
     pruned on exit.
 
-    A signal (parity.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
+    A signal (parity.run.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
     removed: git killed half-way through `worktree add` leaves it registered and locked.
     """
     tmp = None
@@ -156,7 +156,7 @@ def run_in_tree(
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
-    run_dir is made fresh (parity.runs.launch_spec: nothing an earlier run left is read as
+    run_dir is made fresh (parity.run.job.launch_spec: nothing an earlier run left is read as
     this run's, nothing the harness did not make is removed). allow_teardown: a run that failed
     only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
     reason, for the caller to compare and report.
@@ -279,7 +279,7 @@ def check_golden(
             tree = Path.cwd()
     golden = Path(golden)
     if golden.is_dir() and not (golden / "metrics.jsonl").is_file():
-        from parity.golden import baselines
+        from parity.judge.golden import baselines
 
         if found := baselines(golden):  # which one is right is for the user to say
             raise RevisionError(

@@ -9,7 +9,7 @@ nothing), and a bug that only shows at 2 ranks passes unseen. Each rank torchrun
 returns (the group's backend, world size and this process's rank), and once more when the group
 is destroyed or the process exits, with how many collectives went through the group: a group
 that formed but carried nothing (accelerate on CPU without its switch forms one, then trains
-each process alone) is no world either. ``parity.world`` judges the records after the launch.
+each process alone) is no world either. ``parity.run.world`` judges the records after the launch.
 The user's code is not touched: ``init_process_group`` and ``destroy_process_group`` are wrapped
 when torch loads ``torch.distributed.distributed_c10d``, and a process that never imports torch
 pays nothing but this file. A sitecustomize this one shadows is loaded after it.

@@ -1,6 +1,6 @@
 """The world a job really ran in: which process group each rank joined (the running layer).
 
-Every launch puts ``parity/sitehook`` first on its ranks' PYTHONPATH; its sitecustomize writes
+Every launch puts ``parity/run/sitehook`` first on its ranks' PYTHONPATH; its sitecustomize writes
 one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder) when the
 process starts and each time ``init_process_group`` returns. ``judge`` reads them after the
 launch: a side whose ranks did not form one group of the requested size, or where two processes

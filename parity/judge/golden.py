@@ -27,8 +27,8 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, compare_frames, default_policy, printable
 from parity.files import write_json_atomic
+from parity.judge.compare import Comparison, compare_frames, default_policy, printable
 from parity.readers import MetricsError, read_metrics, write_metrics
 
 FINGERPRINT_KEYS = (

@@ -8,7 +8,7 @@ jobs of the same world size. The pytest plugin sends every job it can through a 
     run = pools.run(spec, out)   # a Run, as run_job gives it; None: launch this one alone
     pools.close()
 
-Each job is one side of parity.inprocess's `SideRunner` (modules dropped, process state and
+Each job is one side of parity.run.inprocess's `SideRunner` (modules dropped, process state and
 flags restored, the job's mutants undone after it), so its metrics are bitwise those of a launch
 of its own (tests/test_pool.py). Jobs reach the ranks as files in the pool's queue folder:
 `job-0000.json`, written atomically, which every rank reads; rank 0 answers `done-0000.json`
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from parity.launch import LaunchResult
-    from parity.runs import Run
+    from parity.run.job import Run
+    from parity.run.launch import LaunchResult
     from parity.spec import JobSpec
 
 POLL_S = 0.02  # how often an idle rank looks for its next job
@@ -76,9 +76,9 @@ class Pool:
         threading.Thread(target=self._launch, name=f"pool-{nproc}", daemon=True).start()
 
     def _launch(self) -> None:
-        from parity.launch import launch
+        from parity.run.launch import launch
 
-        args = ["-m", "parity.pool", "--queue", str(self.queue), "--parent", str(os.getpid())]
+        args = ["-m", "parity.run.pool", "--queue", str(self.queue), "--parent", str(os.getpid())]
         try:
             self.result = launch(
                 args,
@@ -139,12 +139,12 @@ class Pool:
     def _read_back(
         self, spec: JobSpec, out: Path, n: int, record: dict[str, Any], logs: Path
     ) -> Run | None:
-        from parity import world
         from parity.files import launch_dir, write_text_atomic
-        from parity.inprocess import alone_line
-        from parity.launch import LaunchResult
         from parity.readers import MetricsError, read_metrics
-        from parity.runs import Run
+        from parity.run import world
+        from parity.run.inprocess import alone_line
+        from parity.run.job import Run
+        from parity.run.launch import LaunchResult
 
         if world.judge(self.folder / "world", self.nproc):
             self.kill()  # not the world asked for: no job of it is trusted
@@ -200,7 +200,7 @@ class Pools:
     @staticmethod
     def refusal(spec: JobSpec) -> str | None:
         """Why `spec` cannot run in a pool (one line), or None."""
-        from parity.inprocess import refusal
+        from parity.run.inprocess import refusal
 
         return refusal(spec, spec)
 
@@ -279,9 +279,9 @@ def _logs_to(folder: Path) -> Iterator[None]:
 
 def _serve(argv: list[str]) -> int:
     from parity.files import write_json_atomic
-    from parity.inprocess import SideRunner, finish_distributed
+    from parity.run.inprocess import SideRunner, finish_distributed
 
-    parser = argparse.ArgumentParser(prog="python -m parity.pool")
+    parser = argparse.ArgumentParser(prog="python -m parity.run.pool")
     parser.add_argument("--queue", type=Path, required=True)
     parser.add_argument("--parent", type=int, required=True, help="exit once this pid is gone")
     opts = parser.parse_args(argv)
@@ -299,7 +299,7 @@ def _serve(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Serve jobs as a torchrun rank until told to stop."""
-    from parity.inprocess import run_as_rank
+    from parity.run.inprocess import run_as_rank
 
     run_as_rank(_serve, argv)
 

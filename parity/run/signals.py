@@ -4,7 +4,7 @@ CI cancels a job with signals: GitHub Actions sends SIGINT, then SIGTERM; Slurm 
 send SIGTERM; a closed terminal sends SIGHUP. Inside ``cancellable()`` each of them raises
 ``Interrupted`` in the main thread: a KeyboardInterrupt that remembers its signal. So the three
 take the one path Ctrl-C always took, the try/finally blocks that stop launches (whole process
-groups, ``parity.launch``) and remove worktrees (``parity.revisions``, ``parity.bisect``); the
+groups, ``parity.run.launch``) and remove worktrees (``parity.check``, ``parity.bisect``); the
 entry point that installed the handler prints one line and exits 128 + the signal number (130,
 143, 129). Why not a cleanup of its own per signal: one exception path is the one that is tested.
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from parity import world
-from parity.signals import deferred
+from parity.run import world
+from parity.run.signals import deferred
 from parity.spec import masked_env
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
@@ -115,13 +115,13 @@ class LaunchResult:
     #: Why the launch failed beyond the ranks' own reports (e.g. a node that never joined).
     note: str = ""
     #: Why the launch is failed although its ranks exited 0: the world they formed instead of
-    #: the one asked for (parity.world), or output the job did not write; '' when none.
+    #: the one asked for (parity.run.world), or output the job did not write; '' when none.
     fault: str = ""
     #: One word for that fault: "world" or "no-output".
     fault_kind: str = ""
     #: time.time() when the launch started (files older than this are not its output).
     started_at: float = 0.0
-    #: The ranks' records of the process group each joined (parity.world).
+    #: The ranks' records of the process group each joined (parity.run.world).
     world_dir: Path | None = None
     #: Where the ranks ran: launcher ("local", "slurm"), node names by node rank, ranks per
     #: node, and with Slurm the job id and its variables (written as topology.json).
@@ -246,8 +246,8 @@ class LaunchResult:
 
 class Launcher(Protocol):
     """What starts a job's torchruns and waits for them: ``launch`` (one here),
-    ``launch_nodes`` (one per node here), ``parity.slurm.launch`` (Slurm steps), bound to
-    their own keywords (parity.runs.launcher_for). Each kills what it started on any exception,
+    ``launch_nodes`` (one per node here), ``parity.run.slurm.launch`` (Slurm steps), bound to
+    their own keywords (parity.run.job.launcher_for). Each kills what it started on any exception,
     Ctrl-C and SIGTERM included, and says what happened in a ``LaunchResult``."""
 
     def __call__(
@@ -309,7 +309,7 @@ def launch(
     finished, if given, is polled as often: once it is true (the job's output is complete), the
     job has ``exit_grace_s`` more to exit before it is killed as hung at exit, instead of
     waiting out the whole timeout.
-    expect_world: the number of ranks that must form one process group (parity.world); the
+    expect_world: the number of ranks that must form one process group (parity.run.world); the
     result is not ok when they did not. world_dir: where the ranks record it (default
     run_dir/world; a multi-node launch shares one).
     """
@@ -339,7 +339,7 @@ def launch(
         log.flush()
         proc = None
         try:
-            with deferred():  # a signal (parity.signals) waits for `proc`, which it then stops
+            with deferred():  # a signal (parity.run.signals) waits for `proc`, which it then stops
                 proc = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                     start_new_session=True, stdin=subprocess.DEVNULL,
@@ -359,7 +359,7 @@ def launch(
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.signals) or any other
+            # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.run.signals) or any other
             # exception in this process; a signal during the cleanup waits for its end
             with deferred():
                 if proc is not None and proc.poll() is None:
@@ -431,7 +431,7 @@ def launch_nodes(
     """An ``nnodes``-node job on this machine: one torchrun per node, each through ``launch``.
 
     Every node's ranks record the group they joined in ``run_dir/world``; with expect_world
-    the merged result is not ok unless they formed one group of that size (parity.world).
+    the merged result is not ok unless they formed one group of that size (parity.run.world).
 
     They meet at a c10d rendezvous on 127.0.0.1 (a fresh port and id); node i's launcher log and
     rank logs go to ``run_dir/node<i>``. ``node_ranks`` starts only those nodes here (the rest

@@ -1,15 +1,10 @@
-"""Compare two canonical metric frames metric by metric: policies, ULP distance, first divergence.
-
-ULP distance puts every float64 on one ordered integer line, so adjacent floats are 1 apart,
-also across zero (-5e-324 and 5e-324 are 2 apart). -0.0 and +0.0 are the same point on that
-line (distance 0); the "exact" policy still tells them apart and says "sign of zero differs".
-NaN is 0 from NaN and ULP_MAX from anything else; an infinity is ULP_MAX from anything but
-itself.
+"""Compare two canonical metric frames metric by metric under their policies (parity.judge.
+policy), in ULPs (parity.judge.ulp): each metric's verdict and first divergent step, the table,
+and the JSON a script reads. Policy and ulp_distance are re-exported here for callers.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
@@ -20,6 +15,17 @@ import numpy as np
 import pandas as pd
 
 from parity.errors import PolicyError
+from parity.judge.policy import (
+    JUDGED_COUNTERS,
+    NOISE_PATTERNS,
+    Policy,
+    StepRange,
+    default_policy,
+    piece_index,
+    resolve_all,
+    resolve_policy,
+)
+from parity.judge.ulp import ULP_MAX, ulp_distance
 from parity.readers import (
     IncompleteRunError,
     MetricsError,
@@ -27,7 +33,7 @@ from parity.readers import (
     read_summary,
     skipped_count,
 )
-from parity.readers.frame import FLOAT64, MAX_STEP, coarser
+from parity.readers.frame import FLOAT64, coarser
 
 __all__ = [
     "JUDGED_COUNTERS",
@@ -44,432 +50,12 @@ __all__ = [
     "StepRange",
     "compare_frames",
     "default_policy",
+    "resolve_policy",
     "printable",
     "ulp_distance",
 ]
 
-ULP_MAX = int(np.iinfo(np.uint64).max)
-_SIGN = np.uint64(1 << 63)
-_MAGNITUDE = np.int64((1 << 63) - 1)
 _ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
-
-NOISE_PATTERNS: tuple[str, ...] = (
-    # a group: every metric whose name starts with these segments
-    "perf/**",  # verl: perf/mfu/actor, perf/throughput, perf/max_memory_allocated_gb
-    "timing/**",
-    "timing_s/**",  # verl's timers: timing_s/step, timing_s/gen
-    "timing_per_token_ms/**",  # verl
-    "time/**",  # Composer: time/train, time/remaining_estimate
-    "time_metrics/**",  # torchtitan: time_metrics/end_to_end(s)
-    "memory/**",  # torchtitan: memory/max_reserved(GiB)
-    "throughput/**",  # Composer: throughput/batches_per_sec
-    "system/**",  # MLflow's system metrics: system/gpu_0_memory_usage_megabytes
-    "devicestatsmonitor/**",  # Lightning: DeviceStatsMonitor.on_train_batch_end/...
-    # time, as the last segment
-    "time",  # Lightning's ThroughputMonitor: train/time
-    "runtime",
-    "*_runtime",  # HF: train_runtime, eval_runtime
-    "*_time",  # step_time, iteration_time, data_time
-    "*-time",  # Megatron: iteration-time
-    "*_time_s",
-    "*_time_ms",
-    "time_per_*",
-    "time_this_iter_s",  # Ray Train
-    "time_total_s",
-    "*_timing",
-    "*_timing in s",  # NeMo: train_step_timing in s
-    "*_timing_*",  # Megatron's golden values: iteration_timing_avg
-    "timestamp",
-    "*_timestamp",
-    "elapsed",
-    "elapsed_*",
-    "*_elapsed",
-    # rates
-    "*_per_second",  # HF: train_samples_per_second
-    "*_per_second_*",
-    "*_per_sec",  # Lightning's ThroughputMonitor: samples_per_sec
-    "*_per_sec_*",  # NeMo: tflops_per_sec_per_gpu
-    "*_per_s",
-    "*_per_s_*",
-    "tokens/s",
-    "samples/s",
-    "steps/s",
-    "batches/s",
-    "items/s",
-    "it/s",
-    "tps",  # torchtitan
-    "wps",
-    "throughput",  # Megatron
-    "throughput(*)",  # torchtitan: throughput(tps)
-    "*_throughput",
-    # compute
-    "mfu",
-    "mfu(*)",  # torchtitan: mfu(%)
-    "*_mfu",
-    "tflops",
-    "tflops_*",  # NeMo: TFLOPS_per_GPU
-    "*_tflops",
-    "flops",
-    "*_flops",
-    # memory
-    "memory",
-    "memory(*)",
-    "memory_*",
-    "*_memory",
-    "*_memory_*",  # max_memory_allocated_gb, system_memory_usage_megabytes
-    "*_memory(*)",
-    "mem-*",  # Megatron: mem-allocated-bytes, mem-max-allocated-bytes
-    "mem_*",
-    "*_mem",
-    "*_mem_*",
-    "allocated_bytes.*.*",  # torch.cuda.memory_stats (Lightning): allocated_bytes.all.current
-    "reserved_bytes.*.*",
-    "active_bytes.*.*",
-    "requested_bytes.*.*",
-    "inactive_split_bytes.*.*",
-)
-"""The metrics ``default_policy`` ignores: run-to-run noise (time, throughput, memory, mfu) in
-the stacks people bring (verl, torchtitan, Megatron, HF, Lightning, NeMo, Composer, MLflow),
-which never reproduces.
-
-Patterns are over the lower-cased name's segments, which ``/`` or ``.`` separate (W&B joins
-nested keys with ``.``), and a ``/`` or ``.`` in a pattern is either: ``GROUP/**`` matches every
-name that starts with the segment(s) GROUP (``perf/**``: ``perf/mfu/actor``, ``perf.mfu``); any
-other pattern matches the name's last segment(s) (``time``: ``train/time``, never
-``rl/timestep_reward``; ``tokens/s``: the last two). ``*`` stands for any run of characters
-within one segment, so ``*_memory_*`` holds ``max_memory_allocated_gb`` but not
-``eval/memorization``. A name whose last segment counts tokens (``JUDGED_COUNTERS``) is judged
-even inside a group (``perf/total_num_tokens``).
-"""
-
-JUDGED_COUNTERS: tuple[str, ...] = ("*tokens",)
-"""Last segments judged even where a NOISE_PATTERNS group holds them: counters, not rates
-(verl's ``perf/total_num_tokens``); ``perf/tokens_per_s`` stays ignored."""
-
-# Literal pieces one of which every name NOISE_PATTERNS matches holds ("\n" ends the name):
-# a whole list of names is searched for them at once, and only names that hold one are matched
-# against the patterns (tests check every pattern holds one).
-NOISE_KEYWORDS = (
-    "tim", "mem", "perf", "throughput", "system", "devicestats", "elapsed", "per_s", "/s\n",
-    ".s\n", "tps\n", "wps\n", "mfu", "flops", "bytes",
-)  # fmt: skip
-
-
-def _pattern_regex(pattern: str) -> str:
-    """A NOISE_PATTERNS pattern as a regex over a whole lower-cased name (see there)."""
-    group = pattern.endswith("/**")
-    body = pattern[:-3] if group else pattern
-    words = {"*": "[^/.]*", "/": "[/.]", ".": "[/.]"}
-    regex = "".join(words.get(c, re.escape(c)) for c in body)
-    return regex + "[/.].+" if group else "(?:.*[/.])?" + regex
-
-
-_NOISE_RE = re.compile("|".join(f"(?:{_pattern_regex(p)})" for p in NOISE_PATTERNS), re.DOTALL)
-_COUNTER_RE = re.compile("|".join(f"(?:{_pattern_regex(p)})" for p in JUDGED_COUNTERS), re.DOTALL)
-
-
-def _ordered(x: np.ndarray) -> np.ndarray:
-    """float64 bits -> uint64 keys in the order of the reals; both zeros map to 2**63.
-
-    The key is 2**63 + (the magnitude bits, negated for a set sign bit), in four passes over
-    the array rather than a select between two computed arrays (half the time).
-    """
-    i = np.asarray(x, dtype=np.float64).view(np.int64)
-    sign = i >> 63  # -1 where the sign bit is set, else 0
-    signed = i ^ (sign & _MAGNITUDE)  # negative: -1 - magnitude
-    signed -= sign  # negative: -magnitude; -0.0 and +0.0 both 0
-    return signed.view(np.uint64) ^ _SIGN
-
-
-def _ordered_narrow(x: np.ndarray, dtype: type) -> np.ndarray:
-    """As _ordered, for float32 or float16 values (their own ULPs), widened to uint64 keys."""
-    ints = {np.float32: np.int32, np.float16: np.int16}[dtype]
-    i = np.asarray(x, dtype=dtype).view(ints).astype(np.int64)
-    bits = np.dtype(ints).itemsize * 8
-    magnitude = np.int64((1 << (bits - 1)) - 1)
-    neg = i < 0
-    signed = np.where(neg, -(i & magnitude), i)
-    return (signed + (np.int64(1) << 62)).astype(np.uint64)
-
-
-def ulp_distance(a: np.ndarray, b: np.ndarray, dtype: type = np.float64) -> np.ndarray:
-    """Elementwise distance in units in the last place of ``dtype`` (float64, float32 or
-    float16; uint64), symmetric, ±0 equal. A float32 source is judged in float32 ULPs."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    if dtype is np.float64:
-        ka, kb = _ordered(a), _ordered(b)
-    else:
-        with np.errstate(over="ignore"):
-            ka, kb = (
-                _ordered_narrow(a.astype(dtype), dtype),
-                _ordered_narrow(b.astype(dtype), dtype),
-            )
-    d = np.maximum(ka, kb) - np.minimum(ka, kb)
-    if np.isfinite(a).all() and np.isfinite(b).all():  # the usual case: no NaN or inf to mend
-        return d
-    with np.errstate(invalid="ignore"):
-        far = ((np.isinf(a) | np.isinf(b)) & (a != b)) | (np.isnan(a) != np.isnan(b))
-    d = np.where(far, np.uint64(ULP_MAX), d)
-    return np.where(np.isnan(a) & np.isnan(b), np.uint64(0), d)
-
-
-@dataclass(frozen=True)
-class StepRange:
-    """One piece of a step policy: ``policy`` judges steps first..last (None: open end).
-
-    A piece with neither bound is the fallback for steps that no ranged piece covers.
-    """
-
-    first: int | None
-    last: int | None
-    policy: Policy
-
-    def covers(self, steps: np.ndarray) -> np.ndarray:
-        mask = np.ones(len(steps), dtype=bool)
-        if self.first is not None:
-            mask &= steps >= self.first
-        if self.last is not None:
-            mask &= steps <= self.last
-        return mask
-
-    def __str__(self) -> str:
-        if self.first is None and self.last is None:
-            return str(self.policy)
-        if self.first is not None and self.first == self.last:
-            return f"{self.policy}@{self.first}"
-        lo = "" if self.first is None else str(self.first)
-        hi = "" if self.last is None else str(self.last)
-        return f"{self.policy}@{lo}-{hi}"
-
-
-_KINDS = ("exact", "ulp", "close", "ignore", "steps")
-# a comma that starts a new piece of a step policy (close:RTOL,ATOL has commas of its own)
-_PIECE = re.compile(r",\s*(?=(?:exact|ulp|close|ignore)\b)")
-_RANGE = re.compile(r"\s*(?:(?P<one>\d+)|(?P<lo>\d*)\s*-\s*(?P<hi>\d*))\s*")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How one metric is judged: exact bits, within K ULP, numpy isclose, or not at all;
-    kind "steps" judges each step by the piece whose range holds it (``pieces``)."""
-
-    kind: Literal["exact", "ulp", "close", "ignore", "steps"] = "exact"
-    ulp: int = 0
-    rtol: float = 0.0
-    atol: float = 0.0
-    pieces: tuple[StepRange, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
-            raise PolicyError(f"bad policy kind {self.kind!r}")
-        if (
-            isinstance(self.ulp, bool)
-            or not isinstance(self.ulp, int)
-            or not 0 <= self.ulp <= ULP_MAX
-        ):
-            raise PolicyError(
-                f"bad policy: ulp must be a non-negative integer up to {ULP_MAX}, got {self.ulp!r}"
-            )
-        for name in ("rtol", "atol"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise PolicyError(f"bad policy: {name} must be finite and >= 0, got {v!r}")
-        object.__setattr__(self, "pieces", tuple(self.pieces))
-        if (self.kind == "steps") != bool(self.pieces):
-            raise PolicyError("bad policy: pieces go with kind 'steps', and only with it")
-        if self.pieces:
-            _check_pieces(self.pieces)
-
-    @classmethod
-    def parse(cls, text: str) -> Policy:
-        """'exact' | 'ulp:K' | 'close:RTOL,ATOL' (or 'close:RTOL') | 'ignore', or a step policy.
-
-        A step policy is pieces joined by commas, each a policy with a step range after '@':
-        '@A-B', '@A-' (A on), '@-B' (up to B) or '@N' (one step); e.g. 'exact@-5,ulp:4@6-' is
-        exact up to step 5, then within 4 ULP. Ranges may not overlap. At most one piece has no
-        range and judges the steps no range covers; without it those steps are judged exact.
-        Steps change because some differences are legitimate only later (a reordered reduction
-        that grows with training), and the strict part should stay strict.
-        """
-        texts = _PIECE.split(text.strip())
-        if len(texts) == 1 and "@" not in text:
-            return _parse_simple(text, text)
-        pieces = []
-        for piece in texts:
-            body, at, steps = piece.partition("@")
-            policy = _parse_simple(body, text)
-            if not at:
-                pieces.append(StepRange(None, None, policy))
-                continue
-            m = _RANGE.fullmatch(steps)
-            if not m or (m["one"] is None and not (m["lo"] or m["hi"])):
-                raise PolicyError(
-                    f"bad policy {text!r}: step range {steps.strip()!r} is not N, A-B, A- or -B"
-                )
-            lo, hi = (m["one"], m["one"]) if m["one"] is not None else (m["lo"], m["hi"])
-            pieces.append(StepRange(_bound(lo, text), _bound(hi, text), policy))
-        try:
-            return cls("steps", pieces=tuple(pieces))
-        except PolicyError as e:
-            why = str(e).removeprefix("bad policy: ")
-            raise PolicyError(f"bad policy {text!r}: {why}") from None
-
-    def piece_at(self, step: int) -> str:
-        """The policy in force at ``step``, as text (a step policy's piece, with its range)."""
-        if self.kind != "steps":
-            return str(self)
-        index = int(_piece_index(self.pieces, np.array([step], dtype=np.int64))[0])
-        return str(self.pieces[index]) if index >= 0 else "exact (no range holds the step)"
-
-    def __str__(self) -> str:
-        if self.kind == "steps":
-            return ",".join(map(str, self.pieces))
-        if self.kind == "ulp":
-            return f"ulp:{self.ulp}"
-        if self.kind == "close":
-            return f"close:{self.rtol!r},{self.atol!r}"
-        return self.kind
-
-
-def _parse_simple(piece: str, text: str) -> Policy:
-    kind, sep, arg = piece.strip().partition(":")
-    try:
-        if kind in ("exact", "ignore") and not sep:
-            return Policy(kind)
-        if kind == "ulp" and arg.strip().isdigit():
-            return Policy("ulp", ulp=int(arg))
-        if kind == "close" and arg:
-            parts = [float(p) for p in arg.split(",")]
-            if len(parts) in (1, 2):
-                return Policy("close", rtol=parts[0], atol=parts[1] if len(parts) == 2 else 0.0)
-    except ValueError:
-        pass
-    raise PolicyError(
-        f"bad policy {text!r}: expected exact, ulp:K, close:RTOL,ATOL or ignore, "
-        "optionally with @STEPS pieces (exact@-5,ulp:4@6-)"
-    )
-
-
-def _bound(digits: str | None, text: str) -> int | None:
-    """A step range's bound (None where left open); one past MAX_STEP is refused before int()
-    reads it, which would take thousands of digits for a ValueError of its own."""
-    if not digits:
-        return None
-    digits = digits.lstrip("0") or "0"
-    if len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP:
-        raise PolicyError(f"bad policy {text!r}: a step range bound is past step {MAX_STEP}")
-    return int(digits)
-
-
-def _check_pieces(pieces: tuple[StepRange, ...]) -> None:
-    """Simple policies, at most one fallback, sane and disjoint ranges."""
-    if any(p.policy.kind == "steps" for p in pieces):
-        raise PolicyError("bad policy: a piece of a step policy cannot be a step policy")
-    ranged = [p for p in pieces if p.first is not None or p.last is not None]
-    if len(pieces) - len(ranged) > 1:
-        raise PolicyError("bad policy: more than one piece without a step range")
-    for p in ranged:
-        if p.first is not None and p.last is not None and p.first > p.last:
-            raise PolicyError(f"bad policy: empty step range in {p}")
-    ranged.sort(key=lambda p: -1 if p.first is None else p.first)
-    for prev, cur in zip(ranged, ranged[1:], strict=False):
-        if prev.last is None or cur.first is None or cur.first <= prev.last:
-            raise PolicyError(f"bad policy: step ranges of {prev} and {cur} overlap")
-
-
-def _piece_index(pieces: tuple[StepRange, ...], steps: np.ndarray) -> np.ndarray:
-    """For each step, the index of the piece in force; -1 where none is (judged exact)."""
-    which = np.full(len(steps), -1, dtype=np.int64)
-    for i, p in enumerate(pieces):  # the fallback first: ranged pieces override it
-        if p.first is None and p.last is None:
-            which[:] = i
-    for i, p in enumerate(pieces):
-        if p.first is not None or p.last is not None:
-            which[p.covers(steps)] = i
-    return which
-
-
-_EXACT, _IGNORE = Policy("exact"), Policy("ignore")
-
-
-def _is_noise(metric: str) -> bool:
-    name = metric.lower()
-    return _NOISE_RE.fullmatch(name) is not None and _COUNTER_RE.fullmatch(name) is None
-
-
-def default_policy(metric: str) -> Policy:
-    """Run-to-run noise (a name NOISE_PATTERNS holds: time, throughput, memory, mfu) is ignored,
-    since it never reproduces; everything else is exact."""
-    return _IGNORE if _is_noise(metric) else _EXACT
-
-
-def _noise_mask(names: list[str]) -> np.ndarray:
-    """_is_noise of many names: the joined names are searched for NOISE_KEYWORDS once, and only
-    the names holding one are matched, so a long list of names costs a few string scans."""
-    out = np.zeros(len(names), dtype=bool)
-    text = "\n".join(names).lower() + "\n"
-    if text.count("\n") != len(names):  # a name holds a "\n": one by one
-        out[:] = [_is_noise(n) for n in names]
-        return out
-    hits = []
-    for word in NOISE_KEYWORDS:
-        at = text.find(word)
-        while at != -1:
-            hits.append(at)
-            at = text.find(word, at + 1)
-    line, done = 0, 0
-    for at in sorted(hits):
-        line += text.count("\n", done, at)  # the name a hit is in: the newlines before it
-        done = at
-        out[line] = _is_noise(names[line])
-    return out
-
-
-def resolve_policy(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
-    """Exact name first, then the first matching glob in mapping order, then the default."""
-    chosen = policies.get(metric)
-    if chosen is None:
-        chosen = next(
-            (p for pat, p in policies.items() if fnmatch.fnmatchcase(metric, pat)),
-            None,
-        )
-    if chosen is None:
-        return default_policy(metric)
-    return chosen if isinstance(chosen, Policy) else Policy.parse(chosen)
-
-
-_GLOB = re.compile(r"[*?\[]")
-
-
-def _resolve_all(
-    names: list[str], policies: Mapping[str, Policy | str]
-) -> tuple[np.ndarray, list[Policy]]:
-    """resolve_policy of every name, as an index per name into a list of the distinct policies: a
-    policy text is parsed once, and a glob is matched only against names no earlier rule took."""
-    distinct: list[Policy] = [_EXACT, _IGNORE]
-    which = np.zeros(len(names), dtype=np.int64)
-    taken = np.zeros(len(names), dtype=bool)
-    if policies:
-        parsed = {}
-        for pat, p in policies.items():
-            parsed[pat] = len(distinct)
-            distinct.append(p if isinstance(p, Policy) else Policy.parse(p))
-        at = {name: j for j, name in enumerate(names)}
-        for pat, k in parsed.items():
-            j = at.get(pat)
-            if j is not None:
-                which[j], taken[j] = k, True
-        for pat, k in parsed.items():
-            if not _GLOB.search(pat):  # a plain name matches only itself: taken above
-                continue
-            match = re.compile(fnmatch.translate(pat)).match
-            hit = [j for j in np.flatnonzero(~taken).tolist() if match(names[j])]
-            which[hit], taken[hit] = k, True
-    rest = np.flatnonzero(~taken)
-    left = names if len(rest) == len(names) else [names[j] for j in rest.tolist()]
-    which[rest[_noise_mask(left)]] = 1
-    return which, distinct
 
 
 @dataclass
@@ -844,7 +430,7 @@ def _judge(
 ) -> np.ndarray:
     """Per step: within the policy in force at that step (vectorised, piece by piece)."""
     if policy.kind == "steps":
-        which = _piece_index(policy.pieces, steps)
+        which = piece_index(policy.pieces, steps)
         good = same.copy()  # steps that no piece holds are judged exact
         for i, piece in enumerate(policy.pieces):
             mask = which == i
@@ -1079,7 +665,7 @@ def compare_frames(
     names = _metric_names(ka, kb, a)
     va, pa, ca = _side(a, steps_index, names, ka)
     vb, pb, cb = _side(b, steps_index, names, kb)
-    which, distinct = _resolve_all(names, policies)
+    which, distinct = resolve_all(names, policies)
     ignored = np.array([p.kind == "ignore" for p in distinct])[which]
     precision = _precisions(a, b, names)
 

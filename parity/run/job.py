@@ -25,9 +25,9 @@ from typing import Any
 import pandas as pd
 
 from parity.files import launch_dir, write_json_atomic
-from parity.launch import Launcher, LaunchError, LaunchResult, launch, launch_nodes
 from parity.outdir import OutDir
 from parity.readers import MetricsError, detect, read_metrics
+from parity.run.launch import Launcher, LaunchError, LaunchResult, launch, launch_nodes
 from parity.spec import JobSpec
 
 
@@ -37,7 +37,7 @@ class Run:
     dir: Path
     launch: LaunchResult
     metrics: pd.DataFrame
-    in_process: bool = False  # ran in one launch with the other side (parity.inprocess)
+    in_process: bool = False  # ran in one launch with the other side (parity.run.inprocess)
 
     @property
     def manifest(self) -> dict:
@@ -153,10 +153,10 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
 
 
 def launcher_for(spec: JobSpec, label: str = "") -> Launcher:
-    """The launcher of ``spec`` (parity.launch.Launcher): one torchrun here, one per node here
-    (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.slurm, ``spec.launcher``)."""
+    """The launcher of ``spec`` (parity.run.launch.Launcher): one torchrun here, one per node here
+    (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.run.slurm, ``spec.launcher``)."""
     if spec.launcher.kind == "slurm":
-        from parity import slurm
+        from parity.run import slurm
 
         return functools.partial(
             slurm.launch, launcher=spec.launcher, nnodes=spec.nnodes, label=label
@@ -182,7 +182,7 @@ def launch_spec(
     records) are made fresh and empty, each removed first only if this harness made it
     (parity.outdir). The job runs with the spec's env (then ``env``: PYTHONPATH for a worktree),
     one torchrun per node, on this machine or, with a Slurm launcher (``spec.launcher``), as a
-    step of the held allocation (``holding``; parity.slurm); where they ran is written as the
+    step of the held allocation (``holding``; parity.run.slurm); where they ran is written as the
     launch folder's topology.json. A distributed job whose ranks did not form one group of
     ``spec.world_size``, or one that exited 0 having written nothing at all, is failed.
     """
@@ -233,7 +233,7 @@ def holding(spec: JobSpec, held: OutDir) -> Iterator[Path | None]:
     if spec.launcher.kind != "slurm":
         yield None
         return
-    from parity import slurm
+    from parity.run import slurm
 
     folder = held.make_dir(ALLOCATION)
     if spec.launcher.parallel:

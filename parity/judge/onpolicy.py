@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from parity.compare import ulp_distance
+from parity.judge.compare import ulp_distance
 from parity.readers import MetricsError
 
 CHAIN_DIR = "onpolicy"

@@ -15,7 +15,14 @@ from typing import Any
 
 import pandas as pd
 
-from parity.compare import Comparison, Policy, compare_frames, json_value, printable, resolve_policy
+from parity.judge.compare import (
+    Comparison,
+    Policy,
+    compare_frames,
+    json_value,
+    printable,
+    resolve_policy,
+)
 
 __all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies"]
 
@@ -42,7 +49,7 @@ class NoiseFloor:
     comparison: Comparison
     a_dir: Path | None = None
     repeat_dir: Path | None = None
-    runs: tuple[Any, Any] | None = None  # (A, A') as parity.runs.Run, when launched here
+    runs: tuple[Any, Any] | None = None  # (A, A') as parity.run.job.Run, when launched here
 
     @property
     def deterministic(self) -> bool:

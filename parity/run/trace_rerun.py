@@ -7,7 +7,7 @@ unless trace=False / --no-trace) `trace_first_divergence` reruns each side as it
 mutants included) with `--trace-step k --stop-after k`: the schedule is still the full run's, the
 job only ends after step k. Where both sides saved their state before k (`--save-state-at s`),
 the reruns resume from the latest such state (`--resume`) instead of training from step 1. The two
-traces are compared by `parity.opdiff.compare_ops`.
+traces are compared by `parity.judge.opdiff.compare_ops`.
 
 A preset says how its job is asked for this (parity.tasks.Task.traced; the charcount ones with
 flags, PPO tracing the actor's first update of the step). A `custom` command cannot be asked for a
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.opdiff import OPS_DIR, OpDiff, compare_ops
+from parity.judge.opdiff import OPS_DIR, OpDiff, compare_ops
 from parity.spec import JobSpec, SpecError
 
 _STATE = re.compile(r"state_step(\d+)$")
@@ -80,7 +80,7 @@ def trace_first_divergence(
 ) -> TraceRerun:
     """Rerun A and B (run before in `dirs`) up to `step` with it traced, into out/trace-{a,b}."""
     if run_job is None:
-        from parity.runs import run_job
+        from parity.run.job import run_job
     result = TraceRerun(step=step)
     if step is None or step < 1:
         result.reason = "the runs differ before their first training step"

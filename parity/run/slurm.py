@@ -1,5 +1,5 @@
 """Run a job's torchruns on a Slurm cluster, through Slurm's own tools only (sbatch, srun,
-scontrol, squeue, scancel): the Slurm launcher beside parity.launch's local one.
+scontrol, squeue, scancel): the Slurm launcher beside parity.run.launch's local one.
 
 One allocation runs every side: one ``sbatch`` of a small agent script that waits, on the
 allocation's first node, for the harness to queue a side (a script in the allocation's folder,
@@ -21,7 +21,7 @@ end of the job (TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, CANCELLED) with its state and
 allocation pending past ``max_pending_s``, or whose files never appear here (the folder is not
 on a shared file system), cancelled and failed. ``sbatch`` refusing the request is bad input
 (``SlurmRefused``, exit 2, with Slurm's message). Ctrl-C, SIGTERM and SIGHUP cancel whatever was
-submitted (parity.signals), and nothing is left queued.
+submitted (parity.run.signals), and nothing is left queued.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parity import world
 from parity.errors import InputError
 from parity.files import write_text_atomic
-from parity.launch import (
+from parity.run import world
+from parity.run.launch import (
     LAUNCH_ID_ENV,
     LaunchResult,
     RankFailure,
@@ -53,7 +53,7 @@ from parity.launch import (
     signal_name,
     tail_file,
 )
-from parity.signals import deferred
+from parity.run.signals import deferred
 from parity.spec import LauncherSpec
 
 __all__ = ["Allocation", "SlurmRefused", "cancel_all", "hold", "launch", "run_parallel"]
@@ -364,7 +364,7 @@ def _read_int(path: Path) -> int | None:
 
 @dataclass
 class Side:
-    """One torchrun job to run on the allocation's nodes (what parity.launch.launch is given)."""
+    """One torchrun job to run on the allocation's nodes (what run.launch.launch is given)."""
 
     args: list[str]
     nnodes: int
@@ -580,7 +580,7 @@ def _slurm_env(path: Path) -> dict[str, str]:
     return {k: v for k, v in pairs if k not in _TASK_VARIABLES}
 
 
-# --- what parity.runs calls --------------------------------------------------------------------
+# --- what parity.run.job calls --------------------------------------------------------------------
 
 _held: dict[tuple[LauncherSpec, int], Allocation] = {}
 
@@ -636,7 +636,7 @@ def launch(
     expect_world: int | None = None,
     label: str = "",
 ) -> LaunchResult:
-    """``parity.launch.launch`` on Slurm: the job's torchruns as a step of the held allocation
+    """``parity.run.launch.launch`` on Slurm: the job's torchruns as a step of the held allocation
     (``hold``), or of one made for this launch alone (in run_dir/allocation)."""
     side = Side(list(module_or_script_args), nnodes, nproc, Path(run_dir), timeout_s, env or {},
                 Path(cwd).absolute() if cwd is not None else None, on_tick, finished,

@@ -4,7 +4,7 @@ Each rank runs the job modules one after the other, calling each module's `train
 function its `__main__` hands to the lifecycle), and resets the process between them as a fresh
 launch would find it:
 
-    torchrun ... -m parity.inprocess [--mutants A,B] [--timing FILE] \\
+    torchrun ... -m parity.run.inprocess [--mutants A,B] [--timing FILE] \\
         -m worker.sft --trainer legacy --out runs/a --then -m worker.sft --trainer worker ...
 
 Reset between sides (`SideRunner`): the models of the side before are freed while the process
@@ -13,9 +13,9 @@ side before are dropped so the next side imports them fresh (no module-level cac
 os.environ, sys.argv, the RNG states, torch's global flags and whether the garbage collector
 runs are restored to what they were before the first side. The job build re-applies
 determinism itself (worker.determinism.set_determinism). The same runner serves a warm pool
-(parity.pool).
+(parity.run.pool).
 
-Mutants: a side written `-m parity.inject --mutants A -m MODULE ...` gets them applied to its
+Mutants: a side written `-m parity.run.inject --mutants A -m MODULE ...` gets them applied to its
 fresh modules, and every function, method or class they replaced outside the job's packages is
 put back after it (`Patches`), so the two sides may carry different mutants. `--mutants` applies
 a list to every side.
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
-    from parity.runs import Run
+    from parity.run.job import Run
     from parity.spec import JobSpec, PairSpec
 
 SEPARATOR = "--then"
@@ -69,8 +69,8 @@ def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
 
 def command(specs: Sequence[JobSpec], outs: Sequence[Path], timing: Path) -> list[str]:
     """Module args for torchrun that run every spec, in order, in one launch (a side with
-    mutants keeps its parity.inject wrapper: they are applied to that side only)."""
-    args = ["-m", "parity.inprocess", "--timing", str(timing)]
+    mutants keeps its parity.run.inject wrapper: they are applied to that side only)."""
+    args = ["-m", "parity.run.inprocess", "--timing", str(timing)]
     for i, (spec, out) in enumerate(zip(specs, outs, strict=True)):
         args += ([SEPARATOR] if i else []) + spec.to_args(out)
     return args
@@ -88,9 +88,9 @@ def run_pair_in_process(
     run_job does.
     """
     from parity.files import launch_dir
-    from parity.launch import LaunchError, launch
     from parity.outdir import OutDir
-    from parity.runs import Progress, Run, mark_teardown, read_output
+    from parity.run.job import Progress, Run, mark_teardown, read_output
+    from parity.run.launch import LaunchError, launch
     from parity.spec import SpecError
 
     spec_a, spec_b = pair.sides()
@@ -250,13 +250,13 @@ def _set_torch_flags(flags: dict[str, Any]) -> None:
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     usage = (
-        "usage: python -m parity.inprocess [--mutants A,B] [--catalogue M] [--timing FILE] "
+        "usage: python -m parity.run.inprocess [--mutants A,B] [--catalogue M] [--timing FILE] "
         f"-m MODULE ARGS... {SEPARATOR} -m MODULE ARGS..."
     )
     if "-m" not in argv:
         raise SystemExit(usage)
     split = argv.index("-m")
-    parser = argparse.ArgumentParser(prog="python -m parity.inprocess", usage=usage)
+    parser = argparse.ArgumentParser(prog="python -m parity.run.inprocess", usage=usage)
     parser.add_argument("--mutants", default="")
     parser.add_argument("--catalogue", default=None)  # default: every registered catalogue
     parser.add_argument("--timing", type=Path, default=None)
@@ -296,14 +296,14 @@ def _barrier() -> None:
 
 
 def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
-    """(module, args, mutants, catalogue) of a side, `-m parity.inject ... -m M ARGS` unwrapped
+    """(module, args, mutants, catalogue) of a side, `-m parity.run.inject ... -m M ARGS` unwrapped
     (catalogue None: the mutants are looked up in every registered one)."""
-    if module != "parity.inject":
+    if module != "parity.run.inject":
         return module, args, [], None
     if "-m" not in args or args.index("-m") + 1 >= len(args):
-        raise SystemExit(f"error: parity.inject needs -m MODULE; got {args}")
+        raise SystemExit(f"error: parity.run.inject needs -m MODULE; got {args}")
     split = args.index("-m")
-    parser = argparse.ArgumentParser(prog="python -m parity.inject")
+    parser = argparse.ArgumentParser(prog="python -m parity.run.inject")
     parser.add_argument("--mutants", default="")
     parser.add_argument("--catalogue", default=None)
     opts = parser.parse_args(args[:split])
@@ -415,8 +415,8 @@ class SideRunner:
         self.sides = 0
 
     def run(self, module: str, args: list[str]) -> dict[str, Any]:
-        """Run one side (`-m MODULE ARGS`, or parity.inject wrapping it); its timing record."""
-        from parity.inject import apply_mutants
+        """Run one side (`-m MODULE ARGS`, or parity.run.inject wrapping it); its timing record."""
+        from parity.run.inject import apply_mutants
 
         module, args, mutants, catalogue = _unwrap_inject(module, args)
         homes = _catalogues_of(mutants, catalogue)
@@ -456,10 +456,10 @@ def finish_distributed() -> None:
 
 def _run(argv: list[str]) -> int:
     opts, sides = _parse(argv)
-    if opts.mutants:  # applies to every side: wrap each in parity.inject
+    if opts.mutants:  # applies to every side: wrap each in parity.run.inject
         wrap = ["--mutants", opts.mutants]
         wrap += ["--catalogue", opts.catalogue] if opts.catalogue else []
-        sides = [("parity.inject", [*wrap, "-m", m, *a]) for m, a in sides]
+        sides = [("parity.run.inject", [*wrap, "-m", m, *a]) for m, a in sides]
     runner = SideRunner()
     timings = [runner.run(module, args) for module, args in sides]
     if opts.timing is not None and int(os.environ.get("RANK", "0")) == 0:
