@@ -291,7 +291,7 @@ def _dll(step, data, i: int) -> str:
 
 def write_nemo(folder: Path, side: str) -> Path:
     """NeMo's DLLogger: hyperparameters, then Lightning's log_metrics per step (dllogger is not
-    on PyPI; its JSON backend's lines as in tests/test_reader_nemo.py)."""
+    on PyPI; its JSON backend's lines as in tests/readers/test_reader_nemo.py)."""
     lines = [_dll("PARAMETER", {"model.hidden_size": 64, "trainer.precision": "bf16"}, 0)]
     for step, r in rows(side):
         data = {

@@ -25,9 +25,9 @@ Checks, in order (verdict pass / fail / error each):
   gloo with CUDA tensors under DDP, then FSDP2; says which backend ran and whether the pair
   aligned.
 
-``--device cpu`` runs the same checks on the CPU with gloo (tests/test_gpu_check.py dry-runs it
-with tiny sizes so that it cannot rot). Exit 0 when every check passed, 1 otherwise, 2 on bad
-usage.
+``--device cpu`` runs the same checks on the CPU with gloo (tests/project/test_gpu_check.py
+dry-runs it with tiny sizes so that it cannot rot). Exit 0 when every check passed, 1 otherwise,
+2 on bad usage.
 """
 
 from __future__ import annotations

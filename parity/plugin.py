@@ -125,7 +125,7 @@ class ParityRunner:
     a job that fails there is launched alone, for its own report. A run is cached by its spec
     whichever way it ran: a job run in a pool or in-process (both sides of a pair in one launch,
     `pair(..., in_process=True)`) is bitwise the run a launch of its own gives
-    (tests/test_pool.py, tests/test_inprocess.py), so later tests of the same spec reuse it.
+    (tests/run/test_pool.py, tests/run/test_inprocess.py), so later tests of the same spec reuse it.
     """
 
     def __init__(self, base_dir: Path, pool: bool = False):

@@ -63,7 +63,7 @@ FINGERPRINTED = JobSpec(
 
 # charcount PPO: 8 prompts per step, mini-batches of 4 over 2 epochs: 4 optimizer steps per PPO
 # step; at 2 ranks each mini-batch is 2 sequences per rank in micro-batches of 1. 10 steps: the
-# PPO parity claim (>= 10 PPO steps, tests/test_ppo_parity.py).
+# PPO parity claim (>= 10 PPO steps, tests/worker/test_ppo_parity.py).
 PPO = JobSpec(
     task="charcount-ppo",
     world_size=2,
@@ -81,6 +81,19 @@ PPO_SHORT = dataclasses.replace(PPO, steps=4)
 def legacy_vs_worker(runner, base: JobSpec, inject_b: list[str] | None = None):
     """The pair every parity check starts from: the legacy trainer (A) against the worker (B,
     carrying the `inject_b` mutants) on `base`. Sides not run yet share processes (a warm pool,
-    or one in-process launch without pools), bitwise two launches: tests/test_inprocess.py."""
+    or one in-process launch without pools), bitwise two launches: tests/run/test_inprocess.py."""
     b = {"trainer": "worker", "inject": inject_b or []}
     return runner.pair(PairSpec(base, {"trainer": "legacy"}, b), in_process=True)
+
+
+# what one trainer keeps across world size, micro-batch size and batching (test_invariance.py):
+# lr and token counts exact; losses and norms sum in another order, so within 1e-6
+RTOL = 1e-6
+INVARIANCE = {
+    "train/lr": "exact",
+    "train/global_tokens": "exact",
+    "train/total_tokens(B)": "exact",
+    "train/loss": f"close:{RTOL},0",
+    "train/grad_norm": f"close:{RTOL},0",
+    "val/loss": f"close:{RTOL},0",
+}

@@ -47,8 +47,8 @@ def pause_gc_until_training() -> None:
     while they pile up. Off until training starts, then frozen (`resume_gc_for_training`): a
     2-rank, 4-step launch took 11.8 instead of 13.6 CPU-s here (median of 10, interleaved), its
     largest process 8 MB more. No number changes: the collector frees memory, it computes
-    nothing (launched, in-process and pooled jobs are bitwise equal: tests/test_inprocess.py,
-    tests/test_pool.py).
+    nothing (launched, in-process and pooled jobs are bitwise equal: tests/run/test_inprocess.py,
+    tests/run/test_pool.py).
     """
     gc.disable()
 

@@ -228,7 +228,7 @@ def reward_at_first_token() -> None:
     Invisible while every score is 0 (an untrained actor never answers): only a PPO run whose
     rewards vary can catch it.
     """
-    import worker.ppo_common as ppo_common
+    import worker.trainers.ppo_common as ppo_common
 
     def token_rewards(kl, score, kl_coef):
         rewards = -kl_coef * kl
@@ -272,7 +272,7 @@ def batch_dependent_log_softmax() -> None:
 def processed_log_probs() -> None:
     """The rollout records its log-probs after top-k/top-p (renormalized) where the trainer
     computes the raw ones (link 3; needs top-p < 1 or top-k > 0 to show)."""
-    import worker.ppo_common as common
+    import worker.trainers.ppo_common as common
 
     correct = common.sampler_log_probs
 

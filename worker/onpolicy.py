@@ -1,9 +1,9 @@
 """Is PPO on-policy? The rollout's log-probs against the trainer's.
 
 The rollout samples with transformers' `generate` (KV-cache decode) and records its own per-token
-log-probs (`ppo_common.sampler_log_probs`); the trainer recomputes them (`old_log_probs`) with a
-full forward over packed or padded micro-batches. Both trainers log the gap every step
-(`mismatch_metrics`), over the response tokens of the global batch:
+log-probs (`trainers.ppo_common.sampler_log_probs`); the trainer recomputes them
+(`old_log_probs`) with a full forward over packed or padded micro-batches. Both trainers log the
+gap every step (`mismatch_metrics`), over the response tokens of the global batch:
 
     rollout/logprob_diff_max    max |trainer - rollout| (raw: at the sampling temperature)
     rollout/logprob_diff_mean   mean |trainer - rollout|
@@ -30,7 +30,7 @@ import torch
 from worker.data.batching import BatchingConfig, micro_batch_members
 from worker.distributed import all_reduce_sum
 from worker.losses import token_log_probs
-from worker.ppo_common import PPOJob, RolloutSample, response_positions
+from worker.trainers.ppo_common import PPOJob, RolloutSample, response_positions
 
 CHAIN_DIR = "onpolicy"
 ROLLOUT_KINDS = (("", "rollout_log_probs"), ("processed_", "rollout_processed_log_probs"))

@@ -11,9 +11,9 @@ from worker.entry import fit_and_finish, pause_gc_until_training, run_job
 
 def train(argv: list[str] | None = None) -> None:
     pause_gc_until_training()  # the imports and the build; fit_and_finish turns it back on
-    from worker.ppo_common import PPOJob, parse_config
     from worker.trainers.legacy_ppo import LegacyPPOTrainer
     from worker.trainers.ppo import PPOTrainer
+    from worker.trainers.ppo_common import PPOJob, parse_config
 
     cfg = parse_config(argv)
     trainer_cls = LegacyPPOTrainer if cfg.trainer == "legacy" else PPOTrainer

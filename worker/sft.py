@@ -12,9 +12,9 @@ from worker.entry import fit_and_finish, pause_gc_until_training, run_job
 
 def train(argv: list[str] | None = None) -> None:
     pause_gc_until_training()  # the imports and the build; fit_and_finish turns it back on
-    from worker.trainers.common import SFTJob, parse_config
     from worker.trainers.legacy_sft import LegacySFTTrainer
     from worker.trainers.sft import SFTTrainer
+    from worker.trainers.sft_common import SFTJob, parse_config
     from worker.trainers.tinker import TinkerSFTTrainer
 
     cfg = parse_config(argv)

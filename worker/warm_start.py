@@ -27,8 +27,8 @@ def build_warm_model(out: Path = WARM_MODEL_DIR) -> None:
 
     from worker.entry import fit_and_finish
     from worker.model import TINY_MODEL_DIR, load_model, weights_sha256
-    from worker.trainers.common import SFTJob, parse_config
     from worker.trainers.sft import SFTTrainer
+    from worker.trainers.sft_common import SFTJob, parse_config
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = parse_config(["--out", tmp, *RECIPE])

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from parity.judge.compare import Comparison, compare_frames, json_value, printable
 from parity.judge.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
+from parity.readers.frame import steps_text
 
 __all__ = [
     "DataDiff",
@@ -232,7 +233,7 @@ class FingerprintDiff:
         return what, step, names
 
     def line(self) -> str:
-        steps = _span(self.steps_compared)
+        steps = steps_text(self.steps_compared)
         if self.status == "unavailable":
             return f"fingerprints: {self.detail}" if self.detail else ""
         if self.status == "same":
@@ -256,14 +257,6 @@ class FingerprintDiff:
         if other[1] is not None:
             text += f"; {other[0]} from step {other[1]}"
         return text + f" (fingerprinted steps {steps})"
-
-
-def _span(steps: list[int]) -> str:
-    """1, 5, 10 -> "1, 5, 10"; 1..20 -> "1-20": a short list of steps for one line."""
-    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}-{steps[-1]}"
-    shown = ", ".join(map(str, steps[:8]))
-    return shown + (f", ... ({len(steps)} in all)" if len(steps) > 8 else "")
 
 
 def _common_prefix(names: list[str]) -> str:

@@ -25,6 +25,7 @@ import numpy as np
 
 from parity.judge.compare import ulp_distance
 from parity.readers import MetricsError
+from parity.readers.frame import steps_text
 
 CHAIN_DIR = "onpolicy"
 KINDS = ("decode", "processed", "prefill", "trainer_m", "trainer_n", "tokens")
@@ -202,7 +203,7 @@ class ChainResult:
             f"on-policy chain of {self.chain.folder.parent} ({mode} mode, trainer "
             f"{m.get('trainer')}, m={m.get('m')} n={m.get('n')}, temperature "
             f"{m.get('temperature')}, top-k {m.get('top_k')}, top-p {m.get('top_p')}; steps "
-            f"{_span(self.chain.steps)}, world {m.get('world')})"
+            f"{steps_text(self.chain.steps)}, world {m.get('world')})"
         )
         rows = [("link", "tokens", "differ", "frac", "max |diff|", "max ULP", "first difference")]
         for r in self.links:
@@ -228,10 +229,6 @@ class ChainResult:
             "steps": self.chain.steps,
             "links": [r.to_dict() for r in self.links],
         }
-
-
-def _span(steps: list[int]) -> str:
-    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
 def judge_chain(chain: Chain, max_ulp: int = 0) -> ChainResult:

@@ -380,7 +380,7 @@ class Cells:
             hit = np.unique(s[conflicted]).tolist()
             log.note(
                 f"{len(hit)} steps logged more than once with other values (steps "
-                f"{_span(hit)}): kept the {rule} (--duplicates {rule})"
+                f"{steps_text(hit)}): kept the {rule} (--duplicates {rule})"
             )
         return keep
 
@@ -389,7 +389,10 @@ def _where(w: int | str) -> str:
     return f"line {w}" if isinstance(w, int) else str(w)
 
 
-def _span(steps: list[int], limit: int = 6) -> str:
+def steps_text(steps: list[int], limit: int = 8) -> str:
+    """1, 5, 10 -> "1, 5, 10"; 1..20 -> "1-20": a short list of steps for one line of a message."""
+    if len(steps) > 2 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}-{steps[-1]}"
     shown = ", ".join(map(str, steps[:limit]))
     return shown + (f", ... ({len(steps)} in all)" if len(steps) > limit else "")
 

@@ -33,6 +33,7 @@ import pandas as pd
 
 from parity.readers.frame import Cells, Format, ReadLog, ReadOptions, assemble, fail, finish
 from parity.readers.tfrecord import frame_records, masked_crc, windows
+from parity.readers.wire import varint
 
 _NAME = "events.out.tfevents"
 SAMPLES_AXIS = " vs samples"
@@ -114,27 +115,17 @@ class _Bad(Exception):
     pass
 
 
-def _varint(b: bytes, i: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while i < end and shift < 70:
-        value |= (b[i] & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if b[i - 1] < 0x80:
-            return value & 0xFFFFFFFFFFFFFFFF, i
-    raise _Bad
-
-
 def _fields(b: bytes, i: int, end: int) -> list[tuple[int, int, int, int]]:
     """(field, wire type, start, end) of each field of a message; a varint's value as end."""
     out = []
     while i < end:
-        key, i = _varint(b, i, end)
+        key, i = varint(b, i, end)
         if key & 7 == 0:
-            value, j = _varint(b, i, end)
+            value, j = varint(b, i, end)
             out.append((key >> 3, 0, i, value))
             i = j
             continue
-        size, i = _varint(b, i, end) if key & 7 == 2 else ({1: 8, 5: 4}.get(key & 7, -1), i)
+        size, i = varint(b, i, end) if key & 7 == 2 else ({1: 8, 5: 4}.get(key & 7, -1), i)
         if key >> 3 == 0 or size < 0 or i + size > end:
             raise _Bad
         out.append((key >> 3, key & 7, i, i + size))
@@ -172,7 +163,7 @@ def _tensor(b: bytes, i: int, end: int) -> tuple[float, str] | str:
             numbers += np.frombuffer(b[s:e], dtype=content).tolist()
         elif f == field and w == 2:
             while s < e:
-                v, s = _varint(b, s, e)
+                v, s = varint(b, s, e)
                 numbers.append(v)
         elif f == field and w == unpacked:
             numbers.append(e if w == 0 else np.frombuffer(b[s:e], dtype=content)[0].item())

@@ -54,6 +54,7 @@ from parity.readers.frame import (
     unfit,
 )
 from parity.readers.text import read_bytes
+from parity.readers.wire import WireError, varint
 
 MAGIC = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
 RUNS_DIR = "wandb"  # what wandb.init(dir=D) makes in D
@@ -138,18 +139,6 @@ def records(raw: bytes, path: Path, log: ReadLog) -> list[tuple[int, bytes]]:
 # --- minimal protobuf --------------------------------------------------------------------------
 
 
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while pos < end and shift < 70:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if b < 0x80:
-            return value, pos
-        shift += 7
-    raise _Bad("bad varint")
-
-
 def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, object]]:
     """(field number, wire type, value) of a message: an int for varints, (start, end) of
     length-delimited fields, the raw bytes of fixed ones."""
@@ -158,19 +147,19 @@ def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, object]]
         if tag < 0x80:  # the usual one-byte varints, without a call
             pos += 1
         else:
-            tag, pos = _varint(buf, pos, end)
+            tag, pos = varint(buf, pos, end)
         field, wire = tag >> 3, tag & 7
         if field == 0:
             raise _Bad("field number 0")
         if wire == 0:
-            value, pos = _varint(buf, pos, end)
+            value, pos = varint(buf, pos, end)
             yield field, 0, value
         elif wire == 2:
             if pos < end and buf[pos] < 0x80:
                 size = buf[pos]
                 pos += 1
             else:
-                size, pos = _varint(buf, pos, end)
+                size, pos = varint(buf, pos, end)
             if pos + size > end:
                 raise _Bad("field runs past its message")
             yield field, 2, (pos, pos + size)
@@ -313,7 +302,7 @@ def read_log(raw: bytes, path: Path, options: ReadOptions) -> pd.DataFrame:
                     for f, w, code in _fields(data, *v):
                         if f == 1 and w == 0:
                             exit_code = _int64(code)
-        except (_Bad, RecursionError):  # RecursionError: JSON nested beyond Python's stack
+        except (_Bad, WireError, RecursionError):  # RecursionError: JSON nested too deep
             log.skip(UNDECODED, where)
     hf = any(_step_value(m.get(HF_STEP)) is not None for _, m, _ in history)
     cells = Cells()

@@ -10,7 +10,7 @@ jobs of the same world size. The pytest plugin sends every job it can through a 
 
 Each job is one side of parity.run.inprocess's `SideRunner` (modules dropped, process state and
 flags restored, the job's mutants undone after it), so its metrics are bitwise those of a launch
-of its own (tests/test_pool.py). Jobs reach the ranks as files in the pool's queue folder:
+of its own (tests/run/test_pool.py). Jobs reach the ranks as files in the pool's queue folder:
 `job-0000.json`, written atomically, which every rank reads; rank 0 answers `done-0000.json`
 after the job's closing barrier. No collective of our own.
 

@@ -37,6 +37,14 @@ verl 0.6.1 and 0.7.0 have no platform registry (that came later): on a machine w
    the CPU torch (``libtorch_cuda.so`` missing). Where qwen_vl_utils is not installed, the patch
    puts a stand-in module in ``sys.modules`` whose functions raise if a run ever calls them (a
    text-only run never does). Not applied to 0.6, which does not import it.
+6. ``workers``: the SFT trainer builds its train and val ``StatefulDataLoader`` with
+   ``num_workers=8``, hard-coded, so each rank forks 8 workers per epoch and per validation while
+   its gloo and tokenizer threads run. On CPython before 3.11.8 such a fork can leave a worker
+   deadlocked in ``PyOS_AfterFork_Child`` on a lock another thread held (CPython gh-112275; seen
+   here: rank 0 then waits on that worker for ever), and on a small CPU machine 16 workers only
+   contend for the cores the ranks need. The patch makes a ``StatefulDataLoader`` load in the
+   rank itself (``num_workers=0``): the same sampler, collate function and seed draw, so the same
+   batches. ``PARITY_VERL_CPU_WORKERS=keep`` leaves verl's workers.
 
 Settings the command line must give as well (``subjects.verl.run_sft`` does):
 ``trainer.device=cpu``, ``model.use_remove_padding=False`` (the packed path needs flash-attn's
@@ -204,12 +212,42 @@ def _patch_vision() -> None:
     _note("vision: qwen_vl_utils stand-in (its functions raise if called)")
 
 
+# -- 6. data loading in the rank -----------------------------------------------------------------
+
+
+def _patch_workers() -> None:
+    if os.environ.get("PARITY_VERL_CPU_WORKERS", "off") == "keep":
+        return
+    import torchdata.stateful_dataloader as stateful
+
+    base = stateful.StatefulDataLoader
+    if getattr(base, "_parity_shim", False):
+        return
+
+    class StatefulDataLoader(base):
+        """torchdata's StatefulDataLoader, loading in the calling process (see the module doc)."""
+
+        _parity_shim = True
+
+        def __init__(self, *args, **kwargs):
+            if len(args) > 5:  # num_workers given by position
+                args = (*args[:5], 0, *args[6:])
+            kwargs["num_workers"] = 0
+            for only_with_workers in ("prefetch_factor", "persistent_workers"):
+                kwargs.pop(only_with_workers, None)
+            super().__init__(*args, **kwargs)
+
+    stateful.StatefulDataLoader = StatefulDataLoader
+    _note("workers: StatefulDataLoader loads in the rank (num_workers=0)")
+
+
 def install() -> None:
     _patch_backend()
     after_import("verl.workers.engine.base", _patch_engine_registry)
     _patch_memory()
     _patch_autocast()
     _patch_vision()
+    _patch_workers()
 
 
 install()

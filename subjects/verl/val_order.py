@@ -2,8 +2,8 @@
 
     python -m subjects.verl.val_order [--json]
 
-With one val micro-batch per rank (``tests/test_subject_verl.py``'s single pair: 2 ranks, 3 val
-batches of 8 samples each) both releases compute the same number: the mean of the six
+With one val micro-batch per rank (``tests/subjects/test_subject_verl.py``'s single pair: 2
+ranks, 3 val batches of 8 samples each) both releases compute the same number: the mean of the six
 micro-batch losses L[r][b] (rank r, batch b), each already divided by its batch's global token
 count. Every op of the val forward and loss is the same in both, and so are the six losses, bit
 for bit (traced with ``parity.record.optrace``). Only the order of the last float32 mean differs:

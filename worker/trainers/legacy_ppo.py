@@ -24,7 +24,8 @@ from worker.losses import (
     value_loss_terms,
 )
 from worker.onpolicy import ChainRecorder, chain_batching, mismatch_metrics
-from worker.ppo_common import (
+from worker.rewards import RewardModel, resolve_reward_model
+from worker.trainers.ppo_common import (
     PPOConfig,
     PPOJob,
     RolloutSample,
@@ -34,7 +35,6 @@ from worker.ppo_common import (
     to_samples,
     token_outputs,
 )
-from worker.rewards import RewardModel, resolve_reward_model
 
 
 class _LegacyWorker:

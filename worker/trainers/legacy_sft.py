@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from worker.data.batching import make_micro_batches
 from worker.losses import token_nll
-from worker.trainers.common import SFTJob
+from worker.trainers.sft_common import SFTJob
 
 CPU_PEAK_FLOPS = 1e12
 

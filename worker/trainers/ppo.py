@@ -15,7 +15,8 @@ import torch
 
 from worker.losses import LossScale, ppo_policy_loss, ppo_value_loss, token_log_probs
 from worker.onpolicy import ChainRecorder, chain_batching, mismatch_metrics
-from worker.ppo_common import (
+from worker.rewards import RewardModel, resolve_reward_model
+from worker.trainers.ppo_common import (
     PPOConfig,
     PPOJob,
     RolloutSample,
@@ -25,7 +26,6 @@ from worker.ppo_common import (
     to_samples,
     token_outputs,
 )
-from worker.rewards import RewardModel, resolve_reward_model
 from worker.training_worker import LossFn, TrainingWorker
 
 

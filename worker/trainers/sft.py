@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from worker.losses import sft_loss
-from worker.trainers.common import SFTJob
+from worker.trainers.sft_common import SFTJob
 from worker.training_worker import TrainingWorker
 
 

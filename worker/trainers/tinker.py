@@ -8,7 +8,7 @@ warmup-cosine schedule (`OptimConfig.lr_at`), so the engine's scheduler never st
 Bitwise the fused step (`--trainer worker`) and the legacy trainer when every chunk is whole
 micro-batches of the fused split (fixed micro-batches, chunk sizes multiples of their size: the
 default 2 chunks of the default 8 samples per rank in micro-batches of 4); otherwise the
-micro-batches differ, and with them the order of the sums (tests/test_tinker_parity.py).
+micro-batches differ, and with them the order of the sums (tests/worker/test_tinker_parity.py).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 from worker.data.charcount import Encoded
 from worker.engine import OptimConfig
-from worker.trainers.common import SFTJob
 from worker.trainers.sft import SFTTrainer
+from worker.trainers.sft_common import SFTJob
 from worker.training_worker import AdamParams
 
 

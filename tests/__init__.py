@@ -1,0 +1,1 @@
+"""The tests, one folder per layer of the code (tests/README.md)."""

@@ -1,0 +1,185 @@
+"""The `parity` command line: verdicts as exit codes, --json, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from parity.cli import main
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"event": "end", "steps": 3}\n')
+    return path
+
+
+def _rows(grad_norm_step2=1.5):
+    return [
+        {"step": 1, "train/loss": 2.0, "train/grad_norm": 1.25, "train/mfu": 0.1},
+        {"step": 2, "train/loss": 1.5, "train/grad_norm": grad_norm_step2, "train/mfu": 0.2},
+        {"step": 3, "train/loss": 1.25, "train/grad_norm": 1.0, "train/mfu": 0.3},
+    ]
+
+
+def test_compare_aligned_and_diverged(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", _rows())
+    b = _write(tmp_path / "b.jsonl", _rows())
+    assert main(["compare", str(a), str(b)]) == 0
+    assert "aligned" in capsys.readouterr().out
+    c = _write(tmp_path / "c.jsonl", _rows(float(np.nextafter(1.5, 2.0))))
+    assert main(["compare", str(a), str(c), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "diverged"
+    grad = out["metrics"]["train/grad_norm"]
+    assert (
+        grad["status"] == "diverged" and grad["first_divergent_step"] == 2 and grad["max_ulp"] == 1
+    )
+    assert out["metrics"]["train/mfu"]["status"] == "ignored"
+    assert main(["compare", str(a), str(c), "--policy", "train/grad_norm=ulp:1"]) == 0
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", _rows())
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1, "train/loss": "abc"}\n')
+    assert main(["compare", str(a), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "bad.jsonl" in err
+    assert main(["compare", str(a), str(a), "--policy", "train/loss=ulp"]) == 2
+    assert "ulp" in capsys.readouterr().err
+
+
+def test_mutants_are_listed(capsys):
+    assert main(["mutants"]) == 0
+    out = capsys.readouterr().out
+    for name in ("old-val-loss", "lr-before-step", "grad-norm-after-clip"):
+        assert name in out
+
+
+def _parity(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "parity.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parity
+def test_pair_command_catches_injected_bug(tmp_path):
+    proc = _parity(
+        "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
+        "--world", "2", "--steps", "3",
+        "--inject-b", "lr-before-step", "--in-process", "--out", str(tmp_path / "pair"), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["verdict"] == "diverged"
+    assert out["metrics"]["train/lr"]["first_divergent_step"] == 1
+    assert out["metrics"]["train/loss"]["status"] == "match"  # lr logged wrong, step taken right
+    for part in ("a/metrics.jsonl", "b/metrics.jsonl", "summary.json", "summary.md"):
+        assert (tmp_path / "pair" / part).exists(), part
+    summary = json.loads((tmp_path / "pair" / "summary.json").read_text())
+    assert summary["verdict"] == "diverged" and summary["b"]["spec"]["inject"] == ["lr-before-step"]
+    assert summary["mode"] == "in-process"  # one launch; the mutant reached side B only
+    assert summary["a"]["metrics"].endswith("a/metrics.jsonl")  # the spec is kept beside it
+    assert summary["diagnosis"]["kind"] == "same batches, numbers differ"
+
+
+@pytest.mark.parity
+def test_pair_command_reports_a_failed_run(tmp_path):
+    proc = _parity(
+        "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
+        "--world", "2",
+        "--steps", "2", "--set", f"model={tmp_path / 'no-model'}", "--out", str(tmp_path / "pair"),
+        "--json",
+    )  # fmt: skip
+    assert proc.returncode == 3
+    assert json.loads(proc.stdout)["verdict"] == "failed"
+    assert "run failed" in proc.stderr and "rank" in proc.stderr
+    assert "not a model folder" in proc.stderr
+
+
+def test_progress_counts_logged_steps(tmp_path):
+    from parity.run.job import Progress, steps_logged
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert steps_logged(metrics) == 0  # not written yet
+    metrics.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n{"step": 3, "x"')
+    assert steps_logged(metrics) == 3  # a partial last record still counts as progress
+    quiet = Progress("A", 20, metrics, enabled=False)
+    quiet.tick()
+    quiet.close()
+    assert quiet.bar is None
+    shown = Progress("A", 20, metrics, enabled=True)
+    shown.tick()
+    assert shown.bar.n == 3
+    shown.close()
+
+
+def _refusal_tail(tmp_path, capsys, *flags):
+    """What a rank's stderr holds when the job refuses `flags`: the real parser's output."""
+    from worker.trainers.sft_common import parse_config
+
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--out", str(tmp_path), *flags])
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_jobs_take_no_abbreviated_flags(tmp_path, capsys):
+    """--val-sample is not --val-samples: a job must run exactly the flags its spec names."""
+    tail = _refusal_tail(tmp_path, capsys, "--val-sample", "3")
+    assert tail.rstrip().endswith("error: unrecognized arguments: --val-sample 3")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeypatch, as_json):
+    """A misspelled override reaches the job as a flag it does not know: exit 2 and one line
+    naming the spec, not "run failed" (3). Other failures with exit code 2 stay failures."""
+    import parity.pair
+    from parity.run.launch import LaunchError, LaunchResult, RankFailure
+
+    tail = _refusal_tail(tmp_path, capsys, "--val-sampels", "3")
+    spec = tmp_path / "pair.toml"
+    spec.write_text(
+        'task = "charcount-sft"\nworld_size = 2\n[overrides]\nval_sampels = 3\n'
+        '[a]\ntrainer = "legacy"\n[b]\n'
+    )
+    failures: list[RankFailure] = []
+
+    def refused(pair, out, policies, **kwargs):
+        result = LaunchResult(returncode=1, timed_out=False, duration_s=1.0, run_dir=out / "a")
+        result.failures = failures
+        raise LaunchError(result)
+
+    monkeypatch.setattr(parity.pair, "run_pair", refused)
+    args = ["pair", "--spec", str(spec), "--out", str(tmp_path / "out")] + ["--json"] * as_json
+    failures[:] = [RankFailure(0, 2, None, tail), RankFailure(1, -15, "SIGTERM", "")]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"parity: error: {spec}: the job refused its arguments: ")
+    assert "unrecognized arguments: --val-sampels 3 (log: " in err
+    refusal = LaunchError(LaunchResult(2, False, 1.0, tmp_path, failures=failures[:1]))
+    assert str(refusal).splitlines()[0] == (  # in pytest and run_job too: the cause comes first
+        "the job refused its arguments: unrecognized arguments: --val-sampels 3"
+    )
+    for first in (RankFailure(0, 2, None, "error: bad things"), RankFailure(0, 1, None, tail)):
+        failures[:] = [first]  # no usage line, or not argparse's exit code: a failed run
+        assert main(args) == 3
+        assert "run failed" in capsys.readouterr().err
+
+
+def test_a_policy_for_a_metric_whose_name_holds_an_equals_sign(tmp_path, capsys):
+    """`--policy METRIC=POLICY` splits on the last '=': a logged name such as `lr=peak` can be
+    given its policy (a policy never holds '=')."""
+    from parity.cli import main
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"step": 1, "lr=peak": 0.1}\n{"event": "end", "steps": 1}\n')
+    b.write_text('{"step": 1, "lr=peak": 0.9}\n{"event": "end", "steps": 1}\n')
+    assert main(["compare", str(a), str(b)]) == 1
+    assert main(["compare", str(a), str(b), "--policy", "lr=peak=ignore"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(a), str(b), "--policy", "=ignore"]) == 2

@@ -1,0 +1,1 @@
+"""Programs the tests run: loops, jobs and the HF callback run."""

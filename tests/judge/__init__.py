@@ -1,0 +1,1 @@
+"""Judging: compare, policies, noise floor, goldens, diagnosis, the on-policy chain."""

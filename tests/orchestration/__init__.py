@@ -1,0 +1,1 @@
+"""Orchestration: pairs, check and bisect over git, output folders."""

@@ -1,0 +1,71 @@
+"""The git history `check` and `bisect` walk (tests/orchestration/test_bisect.py and, on Slurm,
+tests/run/test_slurm.py): five commits of a one-rank custom job whose third nudges train/loss by
+one ULP from step 4 on, with a user's staged, unstaged and untracked edits and bisection on top."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+JOB = """\
+import json
+import math
+import sys
+from pathlib import Path
+
+NUDGE = {nudge}  # {label}
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+with open(out / "metrics.jsonl", "w") as f:
+    for i in range(1, 6):
+        loss = 1.0 / i
+        if NUDGE and i >= 4:
+            loss = math.nextafter(loss, math.inf)
+        f.write(json.dumps({{"step": i, "train/loss": loss, "train/lr": 0.125}}) + "\\n")
+    f.write(json.dumps({{"event": "end", "steps": 5}}) + "\\n")
+"""
+
+SPEC = """\
+task = "custom"
+world_size = 1
+command = ["job.py", "--out", "{out}"]
+timeout_s = 120
+
+[policies]
+"train/loss" = "ulp:1@-3,exact@4-"
+"""
+
+COMMITS = [
+    ("first: the job", False, "one"),
+    ("second: a comment", False, "two"),
+    ("third: nudge the loss by one ULP", True, "three"),
+    ("fourth: another comment", True, "four"),
+    ("fifth: yet another comment", True, "five"),
+]
+
+
+def git(repo: Path, *args: str, check: bool = True) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
+    return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
+
+
+def make_repo(root: Path) -> Path:
+    """The five commits in ``root``, a staged spec, an uncommitted edit and the user's own
+    bisection mid-way."""
+    git(root, "init", "-q", "-b", "main")
+    for subject, nudge, label in COMMITS:
+        (root / "job.py").write_text(JOB.format(nudge=nudge, label=label))
+        git(root, "add", "job.py")
+        git(root, "commit", "-q", "-m", subject)
+    (root / "spec.toml").write_text(SPEC)
+    git(root, "add", "spec.toml")  # staged, never committed
+    (root / "job.py").write_text(JOB.format(nudge=True, label="uncommitted edit"))
+    (root / "untracked.txt").write_text("new\n")
+    git(root, "bisect", "start")  # the user's own bisection, mid-way
+    git(root, "bisect", "bad", "HEAD")
+    return root
+
+
+def commit_of(repo: Path, n: int) -> str:
+    return git(repo, "rev-parse", f"HEAD~{len(COMMITS) - n}").strip()

@@ -1,0 +1,1 @@
+"""The project as a whole: layering, installation, the GPU check, security scans."""

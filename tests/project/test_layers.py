@@ -1,0 +1,121 @@
+"""The harness's layers, asserted so that they stay: data flows one way, and a module never
+imports one of a higher layer, nor another module's private names.
+
+    base     record/ (imports nothing else of parity), readers/, errors, files, outdir
+    judge    judge/ (policy, ulp, compare, noise, golden, diagnose, opdiff, onpolicy, topology),
+             spec, tasks, report
+    run      run/ (signals, world, launch, slurm, job, inject, inprocess, pool, trace_rerun)
+    orchestration  pair, check, bisect
+    faces    cli, plugin, the package's lazy exports (parity/__init__.py)
+
+Imports under ``if TYPE_CHECKING:`` are annotations only and not counted; an import inside a
+function is (it runs).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PARITY = Path(__file__).resolve().parents[2] / "parity"
+
+LAYERS = {
+    "base": ["parity.record", "parity.readers", "parity.errors", "parity.files", "parity.outdir"],
+    "judge": ["parity.spec", "parity.tasks", "parity.judge", "parity.report"],
+    "run": ["parity.run"],
+    "orchestration": ["parity.pair", "parity.check", "parity.bisect"],
+    "faces": ["parity.cli", "parity.plugin", "parity"],
+}
+ORDER = list(LAYERS)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PARITY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    """The layer of a module: the one whose longest prefix names it."""
+    best = ("", "")
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best[0]):
+                best = (prefix, layer)
+    assert best[1], f"{module} is in no layer: add it to LAYERS (and the docstring)"
+    return best[1]
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    return skipped
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported parity module, names taken from it) of each import that runs."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("parity")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("parity"):
+            assert node.level == 0, f"{path}:{node.lineno}: relative import"
+            module = node.module or ""
+            for alias in node.names:  # `from parity import world`: the submodule
+                sub = f"{module}.{alias.name}"
+                if (PARITY.parent / sub.replace(".", "/")).with_suffix(".py").exists() or (
+                    PARITY.parent / sub.replace(".", "/")
+                ).is_dir():
+                    found.append((node.lineno, sub, []))
+                else:
+                    found.append((node.lineno, module, [alias.name]))
+    return found
+
+
+MODULES = sorted(p for p in PARITY.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PARITY.parent)))
+def test_no_module_imports_a_higher_layer(path: Path) -> None:
+    me = module_name(path)
+    mine = ORDER.index(layer_of(me))
+    wrong = []
+    for line, module, _ in imports(path):
+        theirs = layer_of(module)
+        if ORDER.index(theirs) > mine:
+            wrong.append(f"{path}:{line}: {me} ({ORDER[mine]}) imports {module} ({theirs})")
+        if me.startswith("parity.record") and not module.startswith("parity.record"):
+            wrong.append(f"{path}:{line}: the recorder imports {module}: it imports nothing else")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PARITY.parent)))
+def test_no_module_takes_another_modules_private_names(path: Path) -> None:
+    me = module_name(path)
+    wrong = [
+        f"{path}:{line}: {me} takes {name} from {module}"
+        for line, module, names in imports(path)
+        for name in names
+        if name.startswith("_") and module != me
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_planted_upward_import_is_caught(tmp_path: Path, monkeypatch) -> None:
+    """The check can fail: readers importing the CLI is named with its line."""
+    planted = PARITY / "readers" / "planted_for_test.py"
+    monkeypatch.setattr(
+        Path, "read_text",
+        lambda self, *a, **k: "import os\nfrom parity.cli import main\n" if self == planted
+        else Path.read_bytes(self).decode(),
+    )  # fmt: skip
+    with pytest.raises(AssertionError, match=r"planted_for_test.py:2: parity.readers.planted_for"):
+        test_no_module_imports_a_higher_layer(planted)

@@ -1,0 +1,1 @@
+"""The readers: every log format into one exact frame."""

@@ -1,0 +1,1 @@
+"""The recorder a foreign loop calls, and op traces."""

@@ -1,0 +1,187 @@
+"""The world a job really ran in (parity.run.world, parity/run/sitehook): a side whose ranks did
+not form
+one process group of the requested size, or formed one and never used it, is failed, never
+judged; with the spec's [env] the same script forms its world and a 2-rank-only bug is caught."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.pair import run_pair
+from parity.run.launch import LaunchError, launch
+from parity.run.world import HOOK_DIR, WORLD_DIR_ENV, judge
+from parity.spec import JobSpec, PairSpec, SpecError, load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+ACCELERATE_LOOP = str(ROOT / "tests" / "jobs" / "accelerate_loop.py")
+
+
+def _records(folder: Path, *groups: dict | None) -> Path:
+    """One record per rank process, as the hook writes them; None: never joined a group."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for pid, group in enumerate(groups, 100):
+        record = {"host": "h", "pid": pid, "env": {"RANK": str(pid - 100)}}
+        record["joined"] = [] if group is None else [group]
+        (folder / f"h-{pid}.json").write_text(json.dumps(record))
+    return folder
+
+
+def _group(rank: int, size: int = 2, collectives: int | None = 7) -> dict:
+    group = {"backend": "gloo", "world_size": size, "rank": rank}
+    return group if collectives is None else {**group, "collectives": collectives}
+
+
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ([_group(0), _group(1)], ""),
+        ([_group(0, collectives=None), _group(1, collectives=None)], ""),  # os._exit: no count
+        ([None, None], "2 processes launched, none joined a process group (each ran alone)"),
+        ([_group(0), None], "2 processes launched, 1 never joined a process group"),
+        ([_group(0, 1), _group(0, 1)], "joined process groups of size 1, not one group of 2"),
+        ([_group(0), _group(0)], "ranks claimed twice: rank 0 claimed by 2 processes"),
+        ([_group(0, collectives=0), _group(1, collectives=0)], "none sent anything through it"),
+        ([_group(0, 4), _group(1, 4)], "joined process groups of size 4, not one group of 2"),
+        ([], "no rank recorded the world it joined (expected 2)"),
+    ],
+)
+def test_judge_names_what_formed_instead(tmp_path: Path, groups: list, expected: str) -> None:
+    line = judge(_records(tmp_path / "world", *groups), 2)
+    assert (expected in line) if expected else line == "", line
+    assert "\n" not in line
+
+
+def test_a_lone_process_group_of_one_claiming_rank_zero_twice(tmp_path: Path) -> None:
+    line = judge(_records(tmp_path / "world", _group(0, 1), _group(0, 1)), 2)
+    assert "rank 0 claimed by 2 processes" in line, line
+
+
+def _python_with_hook(tmp_path: Path, code: str, extra: dict | None = None) -> dict:
+    """Run ``code`` as a rank torchrun would start (LOCAL_RANK set), with the hook on the path;
+    return the record it left."""
+    world = tmp_path / "world"
+    world.mkdir()
+    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", WORLD_DIR_ENV: str(world)}
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR), *(extra or {}).get("path", [])])
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    (record,) = [json.loads(p.read_text()) for p in world.glob("*.json")]
+    return record
+
+
+def test_the_hook_records_the_group_and_its_collectives(tmp_path: Path) -> None:
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed import init_process_group\n"  # a name bound before the call
+        f"init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+        "world_size=1)\n"
+        "t = torch.ones(1); dist.all_reduce(t); dist.all_reduce(t)\n"
+        "dist.destroy_process_group()\n"
+    )
+    record = _python_with_hook(tmp_path, code)
+    assert record["env"]["LOCAL_RANK"] == "0"
+    assert record["joined"] == [{"backend": "gloo", "world_size": 1, "rank": 0, "collectives": 2}]
+
+
+def test_the_hook_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+    """A distribution's or a virtualenv's own sitecustomize still runs after ours."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
+    code = "import os, sys\nassert os.environ.get('THEIRS_RAN') == 'yes', 'not chained'\n"
+    record = _python_with_hook(tmp_path, code, {"path": [str(theirs)]})
+    assert record["joined"] == []  # no group: recorded as having run alone
+
+
+def test_a_child_of_a_rank_is_not_a_rank(tmp_path: Path) -> None:
+    """A process a rank starts (a DataLoader worker by spawn) inherits LOCAL_RANK; it must not
+    count as one more rank."""
+    code = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+    _python_with_hook(tmp_path, code)  # exactly one record, checked there
+
+
+def test_distributed_false_means_one_process() -> None:
+    JobSpec(task="custom", command=["t.py"], distributed=False)
+    with pytest.raises(SpecError, match="distributed = false runs one process.*world_size must"):
+        JobSpec(task="custom", command=["t.py"], distributed=False, world_size=2)
+
+
+# --- with torchrun ---------------------------------------------------------------------------
+
+
+@pytest.mark.parity
+def test_a_script_that_never_forms_its_group_is_failed(tmp_path: Path) -> None:
+    """Two ranks of a script that never calls init_process_group: failed, with the line."""
+    script = tmp_path / "alone.py"
+    script.write_text("import sys; print('training alone', flush=True)\n")
+    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    assert not result.ok and result.reason == "world"
+    assert result.fault.startswith("2 processes launched, none joined a process group")
+    assert result.describe().splitlines()[0].startswith(result.fault)
+
+
+@pytest.mark.parity
+def test_a_job_of_lone_rank_zeros_is_failed(tmp_path: Path) -> None:
+    """Both processes form a group of their own and claim rank 0 there."""
+    script = tmp_path / "zeros.py"
+    script.write_text(
+        "import os, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/s' + "
+        "os.environ['LOCAL_RANK'], rank=0, world_size=1)\n"
+        "dist.barrier(); dist.destroy_process_group()\n"
+    )
+    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    assert result.reason == "world"
+    assert "size 1, not one group of 2" in result.fault and "rank 0 claimed by 2" in result.fault
+
+
+SPEC = f"""\
+task = "custom"
+command = ["{ACCELERATE_LOOP}", "--out", "{{out}}"]
+world_size = 2
+timeout_s = 300
+
+[b]
+command = ["{ACCELERATE_LOOP}", "--out", "{{out}}", "--stretch-lr"]
+"""
+
+
+@pytest.mark.parity
+def test_accelerate_without_its_cpu_switch_is_failed_and_with_it_the_bug_is_caught(
+    tmp_path: Path,
+) -> None:
+    """HF accelerate on CPU without ACCELERATE_USE_CPU forms a group, then trains each process
+    alone: the lr bug that needs 2 processes is invisible and the pair would read aligned. It is
+    failed instead, naming side a; with the variable from the spec's [env], the same pair runs
+    (the script refuses a non-empty output folder: the job's {out} is empty at start) and the
+    bug is caught on train/lr."""
+    spec_file = tmp_path / "pair.toml"
+    spec_file.write_text(SPEC)
+    pair = load_spec(spec_file)
+    with pytest.raises(LaunchError) as info:
+        run_pair(pair, tmp_path / "no-env")
+    line = str(info.value).splitlines()[0]
+    assert line.startswith("side a: 2 processes joined a process group of 2, but none sent")
+    assert "ACCELERATE_USE_CPU=true" in line
+
+    spec_file.write_text(SPEC.replace("[b]", '[env]\nACCELERATE_USE_CPU = "true"\n\n[b]'))
+    pair = load_spec(spec_file)
+    assert isinstance(pair, PairSpec) and pair.sides()[1].env == {"ACCELERATE_USE_CPU": "true"}
+    result = run_pair(pair, tmp_path / "env")
+    assert result.verdict == "diverged"
+    lr = result.comparison.metrics["train/lr"]
+    assert (lr.status, lr.first_divergent_step) == ("diverged", 1)
+    head = (tmp_path / "env" / "a.launch" / "launcher.log").read_text().splitlines()[0]
+    assert head.startswith("# ACCELERATE_USE_CPU=true ")
+
+
+def test_a_world_of_one_needs_no_group(tmp_path: Path) -> None:
+    assert judge(_records(tmp_path / "one", None), 1) == ""
+    assert judge(_records(tmp_path / "one-group", _group(0, 1, collectives=0)), 1) == ""
+    two = judge(_records(tmp_path / "two", None, None), 1)
+    assert "2 processes started for a world of 1" in two

@@ -1,0 +1,1 @@
+"""Third-party stacks (verl, HF Trainer, TRL) as subjects."""

@@ -1,0 +1,1 @@
+"""The reference subject: its trainers' parity, invariance and mutants."""
