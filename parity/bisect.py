@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from parity.check import RevisionError, repo_root, resolve_revision, run_in_tree, worktree
+from parity.check import RevisionError, git, repo_root, resolve_revision, run_in_tree, worktree
 from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
 from parity.judge.compare import Comparison, MetricResult, Policy, compare_frames, json_value
 from parity.outdir import OutDir
@@ -153,8 +153,6 @@ class _Reading:
 
 
 def _git(repo: Path, *args: str) -> str:
-    from parity.check import git
-
     return git(repo, *_QUIET_GIT, *args)
 
 

@@ -15,7 +15,7 @@ runs are restored to what they were before the first side. The job build re-appl
 determinism itself (worker.determinism.set_determinism). The same runner serves a warm pool
 (parity.run.pool).
 
-Mutants: a side written `-m parity.run.inject --mutants A -m MODULE ...` gets them applied to its
+Mutants: a side written `-m parity.run.mutants --mutants A -m MODULE ...` gets them applied to its
 fresh modules, and every function, method or class they replaced outside the job's packages is
 put back after it (`Patches`), so the two sides may carry different mutants. `--mutants` applies
 a list to every side.
@@ -69,7 +69,7 @@ def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
 
 def command(specs: Sequence[JobSpec], outs: Sequence[Path], timing: Path) -> list[str]:
     """Module args for torchrun that run every spec, in order, in one launch (a side with
-    mutants keeps its parity.run.inject wrapper: they are applied to that side only)."""
+    mutants keeps its parity.run.mutants wrapper: they are applied to that side only)."""
     args = ["-m", "parity.run.inprocess", "--timing", str(timing)]
     for i, (spec, out) in enumerate(zip(specs, outs, strict=True)):
         args += ([SEPARATOR] if i else []) + spec.to_args(out)
@@ -296,14 +296,14 @@ def _barrier() -> None:
 
 
 def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
-    """(module, args, mutants, catalogue) of a side, `-m parity.run.inject ... -m M ARGS` unwrapped
+    """(module, args, mutants, catalogue) of a side, `-m parity.run.mutants ... -m M ARGS` unwrapped
     (catalogue None: the mutants are looked up in every registered one)."""
-    if module != "parity.run.inject":
+    if module != "parity.run.mutants":
         return module, args, [], None
     if "-m" not in args or args.index("-m") + 1 >= len(args):
-        raise SystemExit(f"error: parity.run.inject needs -m MODULE; got {args}")
+        raise SystemExit(f"error: parity.run.mutants needs -m MODULE; got {args}")
     split = args.index("-m")
-    parser = argparse.ArgumentParser(prog="python -m parity.run.inject")
+    parser = argparse.ArgumentParser(prog="python -m parity.run.mutants")
     parser.add_argument("--mutants", default="")
     parser.add_argument("--catalogue", default=None)
     opts = parser.parse_args(args[:split])
@@ -415,8 +415,8 @@ class SideRunner:
         self.sides = 0
 
     def run(self, module: str, args: list[str]) -> dict[str, Any]:
-        """Run one side (`-m MODULE ARGS`, or parity.run.inject wrapping it); its timing record."""
-        from parity.run.inject import apply_mutants
+        """Run one side (`-m MODULE ARGS`, or parity.run.mutants wrapping it); its timing record."""
+        from parity.run.mutants import apply_mutants
 
         module, args, mutants, catalogue = _unwrap_inject(module, args)
         homes = _catalogues_of(mutants, catalogue)
@@ -456,10 +456,10 @@ def finish_distributed() -> None:
 
 def _run(argv: list[str]) -> int:
     opts, sides = _parse(argv)
-    if opts.mutants:  # applies to every side: wrap each in parity.run.inject
+    if opts.mutants:  # applies to every side: wrap each in parity.run.mutants
         wrap = ["--mutants", opts.mutants]
         wrap += ["--catalogue", opts.catalogue] if opts.catalogue else []
-        sides = [("parity.run.inject", [*wrap, "-m", m, *a]) for m, a in sides]
+        sides = [("parity.run.mutants", [*wrap, "-m", m, *a]) for m, a in sides]
     runner = SideRunner()
     timings = [runner.run(module, args) for module, args in sides]
     if opts.timing is not None and int(os.environ.get("RANK", "0")) == 0:

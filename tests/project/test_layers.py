@@ -4,7 +4,7 @@ imports one of a higher layer, nor another module's private names.
     base     record/ (imports nothing else of parity), readers/, errors, files, outdir
     judge    judge/ (policy, ulp, compare, noise, golden, diagnose, opdiff, onpolicy, topology),
              spec, tasks, report
-    run      run/ (signals, world, launch, slurm, job, inject, inprocess, pool, trace_rerun)
+    run      run/ (signals, world, launch, slurm, job, mutants, inprocess, pool, trace_rerun)
     orchestration  pair, check, bisect
     faces    cli, plugin, the package's lazy exports (parity/__init__.py)
 

@@ -108,9 +108,9 @@ def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     base = JobSpec(task="charcount-sft", world_size=2, inject=["lr-before-step"])
     specs = [JobSpec(task="charcount-sft", world_size=2, trainer="legacy"), base]
     args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
-    assert args[:2] == ["-m", "parity.run.inprocess"] and args.count("parity.run.inject") == 1
+    assert args[:2] == ["-m", "parity.run.inprocess"] and args.count("parity.run.mutants") == 1
     opts, sides = _parse(args[2:])
-    assert [m for m, _ in sides] == ["worker.sft", "parity.run.inject"]
+    assert [m for m, _ in sides] == ["worker.sft", "parity.run.mutants"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
     module, side_args, mutants, _ = _unwrap_inject(*sides[1])
     assert (module, mutants) == ("worker.sft", ["lr-before-step"])
@@ -127,7 +127,7 @@ def test_mutants_are_undone_after_their_side(tmp_path):
     script = (
         "import sys\n"
         "from torch.utils.data import DistributedSampler\n"
-        "from parity.run.inject import apply_mutants\n"
+        "from parity.run.mutants import apply_mutants\n"
         "from parity.run.inprocess import Patches\n"
         "from worker.mutants import MUTANTS\n"
         "before = DistributedSampler.set_epoch, DistributedSampler.__init__\n"

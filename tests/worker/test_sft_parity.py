@@ -1,7 +1,7 @@
 """Legacy vs worker SFT on charcount, 2 ranks under torchrun: every metric bitwise equal.
 
-Each claim is paired with a mutant (a deliberately broken worker, applied by parity.run.inject) that
-the same check must catch.
+Each claim is paired with a mutant (a deliberately broken worker, applied by parity.run.mutants)
+that the same check must catch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Run a job with named mutants applied first, in every rank: the harness's one way to break code.
 
-    torchrun ... -m parity.run.inject --mutants NAME[,NAME] [--catalogue MODULE] -m pkg ARGS...
+    torchrun ... -m parity.run.mutants --mutants NAME[,NAME] [--catalogue MODULE] -m pkg ARGS...
 
 A catalogue is any importable module with `MUTANTS = {name: (description, apply)}`, where
 `apply()` monkeypatches the code under test. A package registers its catalogues in the
@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-m" not in argv:
         raise SystemExit(
-            "usage: python -m parity.run.inject --mutants A,B [--catalogue M] -m MODULE ..."
+            "usage: python -m parity.run.mutants --mutants A,B [--catalogue M] -m MODULE ..."
         )
     split = argv.index("-m")
-    parser = argparse.ArgumentParser(prog="python -m parity.run.inject")
+    parser = argparse.ArgumentParser(prog="python -m parity.run.mutants")
     parser.add_argument("--mutants", default="")
     parser.add_argument("--catalogue", default=None, help="default: every registered catalogue")
     args = parser.parse_args(argv[:split])
