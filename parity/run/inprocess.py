@@ -295,7 +295,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _unwrap_inject(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
+def _unwrap_mutants(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
     """(module, args, mutants, catalogue) of a side, `-m parity.run.mutants ... -m M ARGS` unwrapped
     (catalogue None: the mutants are looked up in every registered one)."""
     if module != "parity.run.mutants":
@@ -418,7 +418,7 @@ class SideRunner:
         """Run one side (`-m MODULE ARGS`, or parity.run.mutants wrapping it); its timing record."""
         from parity.run.mutants import apply_mutants
 
-        module, args, mutants, catalogue = _unwrap_inject(module, args)
+        module, args, mutants, catalogue = _unwrap_mutants(module, args)
         homes = _catalogues_of(mutants, catalogue)
         self.packages |= {name.partition(".")[0] for name in (module, *homes)}
         if self.sides:

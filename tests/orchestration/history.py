@@ -1,6 +1,8 @@
-"""The git history `check` and `bisect` walk (tests/orchestration/test_bisect.py and, on Slurm,
-tests/run/test_slurm.py): five commits of a one-rank custom job whose third nudges train/loss by
-one ULP from step 4 on, with a user's staged, unstaged and untracked edits and bisection on top."""
+"""Git repositories for the tests: `git` as a test user, `repo_state` (what a command must leave
+as it was), and the history `check` and `bisect` walk (tests/orchestration/test_bisect.py and, on
+Slurm, tests/run/test_slurm.py): five commits of a one-rank custom job whose third nudges
+train/loss by one ULP from step 4 on, with a user's staged, unstaged and untracked edits and
+bisection on top."""
 
 from __future__ import annotations
 
@@ -46,8 +48,26 @@ COMMITS = [
 
 
 def git(repo: Path, *args: str, check: bool = True) -> str:
+    """``git -C repo ARGS`` as a test user; its stdout."""
     cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
     return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
+
+
+def repo_state(repo: Path, *files: str) -> dict[str, str]:
+    """Everything of the user's a command must leave as it was: HEAD, branches, refs, worktrees,
+    tree and index, a bisection under way, and the text of ``files``."""
+    return {
+        "head": git(repo, "rev-parse", "HEAD"),
+        "symbolic": git(repo, "symbolic-ref", "HEAD"),
+        "branches": git(repo, "branch", "--list"),
+        "refs": git(repo, "for-each-ref"),
+        "worktrees": git(repo, "worktree", "list", "--porcelain"),
+        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
+        "unstaged": git(repo, "diff"),
+        "staged": git(repo, "diff", "--cached"),
+        "bisect": git(repo, "bisect", "log", check=False),
+        **{name: (repo / name).read_text() for name in files},
+    }
 
 
 def make_repo(root: Path) -> Path:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import parity.check
 import parity.run.job
 from parity.cli import main
 from parity.run.launch import LaunchResult
+from tests.orchestration.history import git, repo_state
 
 pytestmark = pytest.mark.parity
 
@@ -52,23 +52,9 @@ main()
 SPEC = 'task = "custom"\nworld_size = 2\ncommand = ["job.py", "--out", "{out}"]\ntimeout_s = 120\n'
 
 
-def git(repo: Path, *args: str) -> str:
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-
-
 def snapshot(repo: Path) -> dict[str, str]:
-    """Everything a check must leave as it was: tree and index, branches, HEAD, worktrees."""
-    return {
-        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
-        "branches": git(repo, "branch", "--list"),
-        "head": git(repo, "rev-parse", "HEAD"),
-        "symbolic": git(repo, "symbolic-ref", "HEAD"),
-        "worktrees": git(repo, "worktree", "list", "--porcelain"),
-        "job": (repo / "job.py").read_text(),
-        "notes": (repo / "notes.txt").read_text(),
-        "staged": git(repo, "diff", "--cached"),
-    }
+    """Everything a check must leave as it was (``repo_state``), the job and the notes too."""
+    return repo_state(repo, "job.py", "notes.txt")
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,13 @@ import contextlib
 import io
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from parity.cli import main
+from tests.orchestration.history import git, repo_state
 
 pytestmark = pytest.mark.parity
 
@@ -168,25 +168,9 @@ def _replaced(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
-def git(repo: Path, *args: str, check: bool = True) -> str:
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
-
-
 def snapshot(repo: Path) -> dict[str, str]:
-    """What the checks must leave as it was: HEAD, branches, refs, worktrees, tree and index."""
-    return {
-        "head": git(repo, "rev-parse", "HEAD"),
-        "symbolic": git(repo, "symbolic-ref", "HEAD"),
-        "branches": git(repo, "branch", "--list"),
-        "refs": git(repo, "for-each-ref"),
-        "worktrees": git(repo, "worktree", "list", "--porcelain"),
-        "status": git(repo, "status", "--porcelain", "--untracked-files=all"),
-        "unstaged": git(repo, "diff"),
-        "staged": git(repo, "diff", "--cached"),
-        "bisect": git(repo, "bisect", "log", check=False),
-        "train": (repo / "train.py").read_text(),
-    }
+    """What the checks must leave as it was (``repo_state``), the training script too."""
+    return repo_state(repo, "train.py")
 
 
 @pytest.fixture(scope="module")

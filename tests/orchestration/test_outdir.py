@@ -12,6 +12,7 @@ import pytest
 
 from parity.cli import main
 from parity.outdir import OutDir, OutputError
+from tests.orchestration.history import git
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPLETE = '{"step": 1, "a": 1.0}\n{"event": "end", "steps": 1}\n'
@@ -116,10 +117,6 @@ def test_a_second_command_on_a_held_folder_is_refused(held_elsewhere, capsys) ->
     assert f"in use by pid {pid}" in err[0]
 
 
-def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-
 def test_check_out_dot_keeps_the_repositorys_tracked_base(tmp_path: Path, capsys) -> None:
     """`parity check --out .` at a repository's root whose base/ is tracked: refused before
     anything runs, exit 2, the file and git status as they were."""
@@ -127,9 +124,9 @@ def test_check_out_dot_keeps_the_repositorys_tracked_base(tmp_path: Path, capsys
     (repo / "base").mkdir(parents=True)
     (repo / "base" / "config.yaml").write_text("lr: 1\n")
     (repo / "job.toml").write_text('task = "custom"\ncommand = ["train.py", "{out}"]\n')
-    _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "one")
     cwd = os.getcwd()
     os.chdir(repo)
     try:

@@ -57,6 +57,7 @@ from subjects.envs import (
     site_packages,
 )
 from tests.jobs import hf_callback_run
+from tests.orchestration.history import git
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "tests" / "jobs" / "foreign_loop.py"
@@ -385,22 +386,17 @@ timeout_s = 120
 """
 
 
-def _git(repo: Path, *args: str) -> None:
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
 def _repo(root_: Path) -> Path:
     """Three commits of job.py: base; a refactor that changes no number; a change of the loss
     from step 3 on."""
     repo = root_ / "repo"
     repo.mkdir()
-    _git(repo, "init", "-q", "-b", "main")
+    git(repo, "init", "-q", "-b", "main")
     (repo / "job.toml").write_text(SPEC)
     for factor, comment in (("1.0", "base"), ("1.0", "refactor"), ("1.5", "change")):
         (repo / "job.py").write_text(JOB.format(factor=factor, comment=comment))
-        _git(repo, "add", ".")
-        _git(repo, "commit", "-q", "-m", comment)
+        git(repo, "add", ".")
+        git(repo, "commit", "-q", "-m", comment)
     return repo
 
 

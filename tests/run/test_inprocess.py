@@ -29,7 +29,7 @@ from parity.run.inprocess import (
     SideRunner,
     _Baseline,
     _parse,
-    _unwrap_inject,
+    _unwrap_mutants,
     command,
     refusal,
 )
@@ -112,7 +112,7 @@ def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     opts, sides = _parse(args[2:])
     assert [m for m, _ in sides] == ["worker.sft", "parity.run.mutants"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
-    module, side_args, mutants, _ = _unwrap_inject(*sides[1])
+    module, side_args, mutants, _ = _unwrap_mutants(*sides[1])
     assert (module, mutants) == ("worker.sft", ["lr-before-step"])
     assert side_args[side_args.index("--out") + 1] == str(tmp_path / "b")
     assert opts.timing == tmp_path / "t.json" and SEPARATOR not in side_args

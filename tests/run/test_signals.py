@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from parity.run import signals
+from tests.orchestration.history import git, repo_state
 from tests.run.procs import procs_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,36 +93,22 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def _git(repo: Path, *args: str, check: bool = True) -> str:
-    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args]
-    return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
-
-
 def _snapshot(repo: Path) -> dict[str, str]:
-    """What a command must leave as it was: HEAD, branches, index, tree, worktrees, bisect."""
-    return {
-        "status": _git(repo, "status", "--porcelain", "--untracked-files=all"),
-        "head": _git(repo, "rev-parse", "HEAD"),
-        "symbolic": _git(repo, "symbolic-ref", "HEAD"),
-        "refs": _git(repo, "for-each-ref"),
-        "worktrees": _git(repo, "worktree", "list", "--porcelain"),
-        "bisect": _git(repo, "bisect", "log", check=False),
-        "staged": _git(repo, "diff", "--cached"),
-        "unstaged": _git(repo, "diff"),
-        "admin": "\n".join(sorted(p.name for p in (repo / ".git").iterdir())),
-    }
+    """What a command must leave as it was (``repo_state``), git's own admin files too."""
+    admin = "\n".join(sorted(p.name for p in (repo / ".git").iterdir()))
+    return {**repo_state(repo), "admin": admin}
 
 
 def _repo(root: Path, commits: list[tuple[str, str]]) -> Path:
     """A repo with job.py at each (subject, source) commit and uncommitted edits on top."""
     root.mkdir()
-    _git(root, "init", "-q", "-b", "main")
+    git(root, "init", "-q", "-b", "main")
     for subject, source in commits:
         (root / "job.py").write_text(source)
-        _git(root, "add", "job.py")
-        _git(root, "commit", "-q", "-m", subject)
+        git(root, "add", "job.py")
+        git(root, "commit", "-q", "-m", subject)
     (root / "spec.toml").write_text(SCRIPT_SPEC)
-    _git(root, "add", "spec.toml")  # staged, never committed
+    git(root, "add", "spec.toml")  # staged, never committed
     (root / "job.py").write_text(_job(sleep=False) + "# uncommitted edit\n")
     (root / "untracked.txt").write_text("new\n")
     return root
@@ -258,7 +245,7 @@ def test_pair(tmp_path: Path, sig: int, in_process: bool) -> None:
 def test_check_sigterm(tmp_path: Path) -> None:
     """Base runs to its end, head's launch is running: base's run is kept, no worktree stays."""
     repo = _repo(tmp_path / "repo", [("base", _job(sleep=False)), ("head", _job(sleep=True))])
-    _git(repo, "branch", "side")
+    git(repo, "branch", "side")
     before = _snapshot(repo)
     out = tmp_path / "out"
     cmd = _cli("check", "--base", "HEAD~1", "--head", "main", "--spec", "spec.toml",
@@ -268,7 +255,7 @@ def test_check_sigterm(tmp_path: Path) -> None:
     assert run.stdout == ""
     assert "worktrees removed" in run.after and str(out) in run.after
     assert _snapshot(repo) == before
-    assert len(_git(repo, "worktree", "list").splitlines()) == 1
+    assert len(git(repo, "worktree", "list").splitlines()) == 1
     assert (out / "base" / "metrics.jsonl").read_text().rstrip().endswith('"steps": 3}')
 
 
@@ -282,11 +269,11 @@ def test_bisect_sighup(tmp_path: Path) -> None:
     commits = [("a: good", _job(sleep=False)), ("b: sleeps", _job(sleep=True)),
                ("c: bad", _job(sleep=False, nudge=True))]  # fmt: skip
     repo = _repo(tmp_path / "repo", commits)
-    _git(repo, "bisect", "start")
-    _git(repo, "bisect", "bad", "HEAD")
+    git(repo, "bisect", "start")
+    git(repo, "bisect", "bad", "HEAD")
     before = _snapshot(repo)
     out = tmp_path / "out"
-    middle = _git(repo, "rev-parse", "HEAD~1").strip()[:12]
+    middle = git(repo, "rev-parse", "HEAD~1").strip()[:12]
     cmd = _cli("bisect", "--good", "HEAD~2", "--bad", "main", "--spec", "spec.toml",
                "--out", str(out))  # fmt: skip
     wait = _pid_files(out / "commits" / middle)
@@ -296,7 +283,7 @@ def test_bisect_sighup(tmp_path: Path) -> None:
     assert "bisect state removed" in run.after
     assert _snapshot(repo) == before
     assert (out / "good" / "metrics.jsonl").exists()  # the reference and the bad commit's
-    bad = _git(repo, "rev-parse", "main").strip()[:12]  # verdict were complete: kept
+    bad = git(repo, "rev-parse", "main").strip()[:12]  # verdict were complete: kept
     assert json.loads((out / "commits" / bad / "verdict.json").read_text())["verdict"] == "diverged"
 
 
