@@ -18,6 +18,7 @@ from parity.judge.compare import (
     ulp_distance,
 )
 from parity.readers import read_metrics
+from tests.judge.frames import frame
 
 finite = st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=True)
 anyfloat = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
@@ -106,14 +107,6 @@ def test_default_policy():
         assert default_policy(name).kind == "ignore"
     for name in ["train/loss", "train/grad_norm", "train/lr", "val/loss", "train/global_tokens"]:
         assert default_policy(name).kind == "exact"
-
-
-def frame(data: dict[str, list[float]]) -> pd.DataFrame:
-    """Steps 1..n; every cell present, so NaN here is a logged NaN, not an absent value."""
-    n = len(next(iter(data.values())))
-    f = pd.DataFrame(data, index=pd.RangeIndex(1, n + 1, name="step"), dtype=np.float64)
-    f.attrs["present"] = f.notna() | True
-    return f
 
 
 def test_exact_nan_and_signed_zero():

@@ -11,12 +11,11 @@ import math
 import subprocess
 import sys
 
-import numpy as np
-import pandas as pd
 import pytest
 
 from parity.judge.noise import floor_from_frames
 from parity.spec import JobSpec, PairSpec
+from tests.judge.frames import frame
 
 JOB = """\
 import json
@@ -30,13 +29,6 @@ with open(out / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"step": i, "train/loss": 1.0 / i, "perf/time": 0.1 * i}) + "\\n")
     f.write(json.dumps({"event": "end", "steps": 3}) + "\\n")
 """
-
-
-def frame(data: dict[str, list[float]]) -> pd.DataFrame:
-    n = len(next(iter(data.values())))
-    f = pd.DataFrame(data, index=pd.RangeIndex(1, n + 1, name="step"), dtype=np.float64)
-    f.attrs["present"] = f.notna() | True
-    return f
 
 
 def test_floor_per_metric_from_two_runs_of_one_side():
