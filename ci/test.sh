@@ -9,7 +9,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # the harness (light: no torch) with its test tools and the log writers the readers' tests use,
 # and the reference subject (worker/, its own distribution, with the pins the goldens need)
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e './worker' -e '.[dev,test,writers]'
+install() {
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+        -e './worker' -e '.[dev,test,writers]'
+}
+# pip retries a dropped connection but not a download that arrives damaged (a hash mismatch);
+# one more try, past pip's cache, tells a passing network fault from a real install error
+if ! install; then
+    echo "ci/test.sh: install failed; trying once more without pip's cache" >&2
+    install --no-cache-dir
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks ci
 "$VENV/bin/python" -m ruff format --check --quiet worker parity subjects tests benchmarks ci
