@@ -193,6 +193,11 @@ class JobSpec:
                             f"{self.nnodes}")  # fmt: skip
         object.__setattr__(self, "inject", _str_list("inject", self.inject))
         object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
+        if not self.distributed and self.torchrun_args:
+            raise SpecError(
+                f"distributed = false runs one plain process, without torchrun: torchrun_args "
+                f"{self.torchrun_args} would not be used"
+            )
         object.__setattr__(self, "env", _env(self.env))
         object.__setattr__(self, "launcher", LauncherSpec.from_value(self.launcher))
         if (self.launcher.nodes or self.nnodes) < self.nnodes:
@@ -326,10 +331,12 @@ task = "custom"            # "custom": run `command`; or a preset an installed p
                            # registers (`parity tasks` lists them, with their own keys)
 command = ["train.py", "--output_dir", "{out}", "--max_steps", "20"]
                            # custom only: a script (or "-m", "module") and its arguments, run as
-                           # `torchrun ... COMMAND`; {out} is the run folder, empty at start
+                           # `torchrun ... COMMAND` (not distributed: `python COMMAND`); {out} is
+                           # the run folder, empty at start
 world_size = 2             # ranks in all (default 1); must form one process group
 nnodes = 1                 # torchrun nodes (all on this machine); world_size / nnodes per node
-distributed = true         # false: one process without torch.distributed (world_size 1)
+distributed = true         # false: one plain process, no torchrun (world_size 1; no torch
+                           # needed)
 steps = 20                 # what progress counts to (presets: the steps they train)
 seed = 0
 timeout_s = 600.0          # per run; the run is killed and reported as failed after it

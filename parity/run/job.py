@@ -27,7 +27,14 @@ import pandas as pd
 from parity.files import launch_dir, write_json_atomic
 from parity.outdir import OutDir
 from parity.readers import MetricsError, detect, read_metrics
-from parity.run.launch import Launcher, LaunchError, LaunchResult, launch, launch_nodes
+from parity.run.launch import (
+    Launcher,
+    LaunchError,
+    LaunchResult,
+    launch,
+    launch_nodes,
+    launch_plain,
+)
 from parity.spec import JobSpec
 
 
@@ -154,13 +161,16 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
 
 def launcher_for(spec: JobSpec, label: str = "") -> Launcher:
     """The launcher of ``spec`` (parity.run.launch.Launcher): one torchrun here, one per node here
-    (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.run.slurm, ``spec.launcher``)."""
+    (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.run.slurm, ``spec.launcher``); a job
+    that is not distributed runs here as one plain process (``launch_plain``: no torch needed)."""
     if spec.launcher.kind == "slurm":
         from parity.run import slurm
 
         return functools.partial(
             slurm.launch, launcher=spec.launcher, nnodes=spec.nnodes, label=label
         )
+    if not spec.distributed:
+        return launch_plain
     if spec.nnodes > 1:
         join_s = min(60.0, spec.timeout_s)
         return functools.partial(launch_nodes, nnodes=spec.nnodes, join_timeout_s=join_s)

@@ -1,4 +1,6 @@
 """Run a job under torchrun as a subprocess, never leave processes behind, and say which rank died.
+A job that is not distributed runs as one plain process instead (``launch_plain``), supervised
+the same way.
 
 torchrun (torch 2.13) starts every worker with ``start_new_session=True``, so workers are *not* in
 torchrun's process group. Killing the group alone would orphan them when torchrun itself is
@@ -20,7 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from parity.run import world
 from parity.run.signals import deferred
@@ -126,6 +128,8 @@ class LaunchResult:
     #: Where the ranks ran: launcher ("local", "slurm"), node names by node rank, ranks per
     #: node, and with Slurm the job id and its variables (written as topology.json).
     topology: dict = field(default_factory=dict)
+    #: what was started, as the report names it
+    started_as: str = "torchrun job"
 
     @property
     def ok(self) -> bool:
@@ -198,7 +202,7 @@ class LaunchResult:
         """A multi-line report: outcome, failing ranks with exit code or signal, and log tails."""
         where = f"run dir {self.run_dir}"
         if self.ok:
-            return f"torchrun job succeeded in {self.duration_s:.1f} s ({where})"
+            return f"{self.started_as} succeeded in {self.duration_s:.1f} s ({where})"
         if self.reason == self.fault_kind and self.fault:  # ranks exited 0, yet it failed
             return f"{self.fault} (launch logs: {self.run_dir})"
         lines: list[str] = []
@@ -224,13 +228,13 @@ class LaunchResult:
             return "\n".join(lines)
         if self.timed_out:
             lines.append(
-                f"torchrun job timed out after {self.timeout_s:g} s and was killed ({where})"
+                f"{self.started_as} timed out after {self.timeout_s:g} s and was killed ({where})"
             )
             for rank in sorted(self.rank_logs):
                 lines += [f"--- rank {rank} ---", _indent(self.tail(rank, n_lines) or "<empty>")]
             return "\n".join(lines)
         lines.append(
-            f"torchrun job failed with exit code {self.returncode} after "
+            f"{self.started_as} failed with exit code {self.returncode} after "
             f"{self.duration_s:.1f} s ({where})"
         )
         for i, failure in enumerate(self.failures):
@@ -323,73 +327,179 @@ def launch(
         "--nproc-per-node", str(nproc), "--log-dir", str(log_dir), "--redirects", "3",
         *torchrun_args, *module_or_script_args,
     ]  # fmt: skip
-    launch_id = uuid.uuid4().hex
     world_dir = Path(world_dir) if world_dir is not None else run_dir / "world"
-    full_env = world.launch_env(world_dir, {**os.environ, **(env or {})})
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env["PYTHONUNBUFFERED"] = "1"
-    full_env[LAUNCH_ID_ENV] = launch_id
-
     launcher_log = run_dir / "launcher.log"
-    timed_out = False
-    start = time.monotonic()
-    deadline, exit_by = start + timeout_s, None
     with open(launcher_log, "w") as log:
         log.write(f"# {reproduce_line(cmd, env or {})}\n")
         log.flush()
-        proc = None
-        try:
-            with deferred():  # a signal (parity.run.signals) waits for `proc`, which it then stops
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
-                    start_new_session=True, stdin=subprocess.DEVNULL,
-                )  # fmt: skip
-            while True:
-                try:
-                    proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
-                    break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        raise
-                    if on_tick is not None:
-                        on_tick()
-                    if finished is not None and exit_by is None and finished():
-                        exit_by = time.monotonic() + exit_grace_s
-                        deadline = min(deadline, exit_by)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.run.signals) or any other
-            # exception in this process; a signal during the cleanup waits for its end
-            with deferred():
-                if proc is not None and proc.poll() is None:
-                    _terminate(proc, launch_id, kill_grace_s)
-                if proc is not None:
-                    _kill_leftovers(proc.pid, launch_id)
-    duration = time.monotonic() - start
-
-    result = LaunchResult(
-        returncode=proc.returncode,
-        timed_out=timed_out,
-        duration_s=duration,
-        run_dir=run_dir,
-        timeout_s=timeout_s,
-        launcher_log=launcher_log,
-        launch_id=launch_id,
-        rank_logs=find_rank_logs(log_dir, before),
-        world_dir=world_dir,
-    )
+        ended = _supervise(cmd, _launch_env(world_dir, env), cwd=cwd, stdout=log,
+                           stderr=subprocess.STDOUT, timeout_s=timeout_s,
+                           kill_grace_s=kill_grace_s, on_tick=on_tick, finished=finished,
+                           exit_grace_s=exit_grace_s)  # fmt: skip
+    result = ended.result(run_dir, launcher_log, find_rank_logs(log_dir, before), world_dir)
     if expect_world is not None:
         result.set_fault("world", world.judge(world_dir, expect_world))
-    if timed_out and deadline == exit_by:
-        result.timeout_s = round(exit_by - start, 1)
-        result.note = (
-            f"the job's output was complete, but it had not exited {exit_grace_s:g} s later: "
-            f"killed as hung at exit"
-        )
-    if not result.ok and not timed_out:
+    if not result.ok and not result.timed_out:
         result.failures = parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
+
+
+#: where ``launch_plain`` puts its process's logs: torchrun's layout for rank 0
+PLAIN_LOGS = Path("logs") / "plain" / "attempt_0" / "0"
+
+
+def launch_plain(
+    module_or_script_args: list[str],
+    *,
+    nproc: int,
+    run_dir: Path,
+    timeout_s: float = 600,
+    env: Mapping[str, str] | None = None,
+    torchrun_args: Sequence[str] = (),
+    cwd: Path | str | None = None,
+    kill_grace_s: float = 5.0,
+    on_tick: Callable[[], None] | None = None,
+    finished: Callable[[], bool] | None = None,
+    exit_grace_s: float = 60.0,
+    expect_world: int | None = None,
+) -> LaunchResult:
+    """Run a job that is not distributed (``distributed = false``) as one plain process,
+    ``python <module_or_script_args>``, as its user would by hand: no torchrun, so its
+    environment needs no torch (a JAX or NumPy loop, a script that only writes metrics).
+
+    Everything else is ``launch``'s: the same timeout, hang-at-exit grace, signal handling and
+    cleanup; launcher.log holds the reproduce line and the exit, and the process's stdout and
+    stderr go where torchrun puts rank 0's, so a failure reads the same (rank 0, its exit code
+    or signal, its log tail). Not given RANK, WORLD_SIZE or MASTER_*: a library that sees them
+    would try to form a process group.
+    """
+    if nproc != 1 or torchrun_args or expect_world not in (None, 1):
+        raise ValueError("launch_plain runs one process: nproc 1, no torchrun_args, no world")
+    run_dir = Path(run_dir).absolute()
+    rank_dir = run_dir / PLAIN_LOGS
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, *module_or_script_args]
+    launcher_log = run_dir / "launcher.log"
+    with (
+        open(launcher_log, "w") as log,
+        open(rank_dir / "stdout.log", "w") as out,
+        open(rank_dir / "stderr.log", "w") as err,
+    ):
+        log.write(f"# {reproduce_line(cmd, env or {})}\n")
+        log.flush()
+        ended = _supervise(cmd, _launch_env(run_dir / "world", env), cwd=cwd, stdout=out,
+                           stderr=err, timeout_s=timeout_s, kill_grace_s=kill_grace_s,
+                           on_tick=on_tick, finished=finished,
+                           exit_grace_s=exit_grace_s)  # fmt: skip
+        log.write(f"# exited: {ended.returncode}{' (timed out)' if ended.timed_out else ''}\n")
+    result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, run_dir / "world")
+    result.started_as = "job (one process, no torchrun)"
+    code = result.returncode
+    if not result.ok and not result.timed_out and code:
+        result.failures = [RankFailure(0, code, signal_name(code), result.tail(0), 0)]
+    return result
+
+
+def _launch_env(world_dir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
+    """This process's environment with the job's ``env`` on top, as ``job_env`` gives it, under
+    a fresh launch id."""
+    return job_env(world_dir, {**os.environ, **(env or {})}, uuid.uuid4().hex)
+
+
+def job_env(world_dir: Path, env: Mapping[str, str], launch_id: str) -> dict[str, str]:
+    """``env`` as every launch gives it to its job: the world records' hook first on PYTHONPATH,
+    one OpenMP thread unless set, unbuffered output, and the launch id every process of the
+    launch carries (cleanup finds them by it)."""
+    full_env = world.launch_env(world_dir, dict(env))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env[LAUNCH_ID_ENV] = launch_id
+    return full_env
+
+
+@dataclass
+class _Ended:
+    """How a supervised process ended (``_supervise``), before its logs are read."""
+
+    returncode: int | None
+    timed_out: bool
+    duration_s: float
+    timeout_s: float
+    launch_id: str
+    #: set when the job was killed as hung at exit: the grace it had after its output was done
+    hung_after_s: float | None = None
+
+    def result(
+        self, run_dir: Path, launcher_log: Path, rank_logs: dict[int, Path], world_dir: Path
+    ) -> LaunchResult:
+        result = LaunchResult(
+            returncode=self.returncode, timed_out=self.timed_out, duration_s=self.duration_s,
+            run_dir=run_dir, timeout_s=self.timeout_s, launcher_log=launcher_log,
+            launch_id=self.launch_id, rank_logs=rank_logs, world_dir=world_dir,
+        )  # fmt: skip
+        if self.hung_after_s is not None:
+            result.note = (
+                f"the job's output was complete, but it had not exited {self.hung_after_s:g} s "
+                f"later: killed as hung at exit"
+            )
+        return result
+
+
+def _supervise(
+    cmd: Sequence[str],
+    env: dict[str, str],
+    *,
+    cwd: Path | str | None,
+    stdout: IO[str],
+    stderr: IO[str] | int,
+    timeout_s: float,
+    kill_grace_s: float,
+    on_tick: Callable[[], None] | None,
+    finished: Callable[[], bool] | None,
+    exit_grace_s: float,
+) -> _Ended:
+    """Start ``cmd`` in a session of its own and wait for it (see ``launch``); on timeout or
+    any exception (Ctrl-C, SIGTERM, SIGHUP: parity.run.signals) kill it and everything that
+    carries its launch id, then say how it ended."""
+    launch_id = env[LAUNCH_ID_ENV]
+    timed_out = False
+    start = time.monotonic()
+    deadline, exit_by = start + timeout_s, None
+    proc = None
+    try:
+        with deferred():  # a signal (parity.run.signals) waits for `proc`, which it then stops
+            proc = subprocess.Popen(
+                cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
+                start_new_session=True, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        while True:
+            try:
+                proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
+                if on_tick is not None:
+                    on_tick()
+                if finished is not None and exit_by is None and finished():
+                    exit_by = time.monotonic() + exit_grace_s
+                    deadline = min(deadline, exit_by)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.run.signals) or any other
+        # exception in this process; a signal during the cleanup waits for its end
+        with deferred():
+            if proc is not None and proc.poll() is None:
+                _terminate(proc, launch_id, kill_grace_s)
+            if proc is not None:
+                _kill_leftovers(proc.pid, launch_id)
+    assert proc is not None
+    ended = _Ended(proc.returncode, timed_out, time.monotonic() - start, timeout_s, launch_id)
+    if timed_out and deadline == exit_by:
+        ended.timeout_s = round(exit_by - start, 1)
+        ended.hung_after_s = exit_grace_s
+    return ended
 
 
 def reproduce_line(cmd: Sequence[str], env: Mapping[str, str]) -> str:

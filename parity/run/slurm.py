@@ -46,6 +46,7 @@ from parity.run.launch import (
     LaunchResult,
     RankFailure,
     find_rank_logs,
+    job_env,
     kill_carrying,
     parse_failures,
     reproduce_line,
@@ -395,9 +396,7 @@ class Side:
         one torchrun per node. Its own output (srun's messages) goes to srun.log."""
         for node in range(self.nnodes):
             (self.node_dir(node) / "logs").mkdir(parents=True, exist_ok=True)
-        env = world.launch_env(self.world_dir, dict(self.env))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.update({"PYTHONUNBUFFERED": "1", LAUNCH_ID_ENV: self.launch_id})
+        env = job_env(self.world_dir, self.env, self.launch_id)
         # the static rendezvous: node rank i (SLURM_NODEID) gets ranks i*nproc.., the same
         # rank-to-node map for every side (c10d's would follow the order the nodes joined in)
         torchrun = [

@@ -415,11 +415,6 @@ def _check(venv: Venv, tmp_path: Path) -> None:
 
 
 @pytest.mark.parity
-@pytest.mark.xfail(
-    strict=True,
-    reason="parity.run.launch starts every job as `python -m torch.distributed.run`, a "
-    "distributed = false one too, so a venv without torch cannot run it",
-)
 def test_check_runs_a_plain_python_job_without_torch(bare, tmp_path):
     _check(bare, tmp_path)
 

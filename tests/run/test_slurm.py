@@ -7,6 +7,7 @@ the op-trace rerun in the same allocation; `check` and `bisect` naming a planted
 the faults: SIGTERM (nothing left queued or running, exit 143), a rank killed (the node named),
 Slurm's TIMEOUT, sbatch's refusal (exit 2 with its message), an allocation pending too long,
 a folder the nodes do not share, and --parallel sides on different nodes (the topology line).
+Those launch torchrun through srun and carry the `parity` mark; the unit tests at the end do not.
 
 The TIMEOUT case waits out Slurm's one-minute minimum time limit: it is started first, in the
 background, and judged last, so that the other tests run meanwhile.
@@ -109,6 +110,7 @@ def timeout_run(cluster, tmp_path_factory):
         proc.wait()
 
 
+@pytest.mark.parity
 def test_timeout_side_started(timeout_run):
     """Starts the TIMEOUT case early (judged in the last test)."""
     proc, _ = timeout_run
@@ -128,6 +130,7 @@ def slurm_pair(cluster, tmp_path_factory):
     return done, out
 
 
+@pytest.mark.parity
 def test_sft_pair_through_slurm_is_the_local_pair_bit_for_bit(slurm_pair, tmp_path):
     done, out = slurm_pair
     assert done.returncode == 0, done.stderr
@@ -151,6 +154,7 @@ def test_sft_pair_through_slurm_is_the_local_pair_bit_for_bit(slurm_pair, tmp_pa
     assert "allocation" in os.listdir(out) and not left_queued(out)
 
 
+@pytest.mark.parity
 def test_mutant_pair_through_slurm_diverges_as_locally(cluster, tmp_path):
     args = [*SFT, "--a", "legacy", "--b", "worker", "--inject-b", "layer-grad-halved", "--json"]
     slurm = parity("pair", *args, "--launcher", "slurm", "--out", str(tmp_path / "slurm"))
@@ -170,6 +174,7 @@ def test_mutant_pair_through_slurm_diverges_as_locally(cluster, tmp_path):
 # --- check and bisect --------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_check_and_bisect_through_slurm_name_the_planted_commit(cluster, tmp_path):
     (tmp_path / "repo").mkdir()
     repo = make_repo(tmp_path / "repo")
@@ -211,6 +216,7 @@ def _dummy_spec(folder: Path, mode: str, **launcher: object) -> Path:
     return path
 
 
+@pytest.mark.parity
 def test_sigterm_cancels_the_allocation_and_leaves_nothing(cluster, tmp_path):
     spec = _dummy_spec(tmp_path, "hang")
     proc = subprocess.Popen(
@@ -237,6 +243,7 @@ def test_sigterm_cancels_the_allocation_and_leaves_nothing(cluster, tmp_path):
     assert not procs_mentioning(str(tmp_path)), procs_mentioning(str(tmp_path))
 
 
+@pytest.mark.parity
 def test_a_killed_rank_is_failed_naming_its_node(cluster, tmp_path):
     done = parity("pair", "--spec", str(_dummy_spec(tmp_path, "sigkill")), "--out",
                   str(tmp_path / "out"), "--json")  # fmt: skip
@@ -248,6 +255,7 @@ def test_a_killed_rank_is_failed_naming_its_node(cluster, tmp_path):
     assert not left_queued(tmp_path)
 
 
+@pytest.mark.parity
 def test_a_side_past_its_timeout_s_has_its_step_cancelled(cluster, tmp_path):
     spec = _dummy_spec(tmp_path, "hang")
     spec.write_text(spec.read_text().replace("timeout_s = 120", "timeout_s = 6"))
@@ -260,6 +268,7 @@ def test_a_side_past_its_timeout_s_has_its_step_cancelled(cluster, tmp_path):
     assert not procs_mentioning(str(tmp_path)), procs_mentioning(str(tmp_path))
 
 
+@pytest.mark.parity
 def test_sbatch_refusal_is_bad_input_with_slurms_message(cluster, tmp_path):
     done = parity("pair", "--spec", str(_dummy_spec(tmp_path, "ok", partition="nope")),
                   "--out", str(tmp_path / "out"))  # fmt: skip
@@ -268,6 +277,7 @@ def test_sbatch_refusal_is_bad_input_with_slurms_message(cluster, tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parity
 def test_an_allocation_pending_too_long_is_cancelled_and_failed(cluster, tmp_path):
     spec = _dummy_spec(tmp_path, "ok", nodes=9, max_pending_s=3)
     done = parity("pair", "--spec", str(spec), "--out", str(tmp_path / "out"))
@@ -276,6 +286,7 @@ def test_an_allocation_pending_too_long_is_cancelled_and_failed(cluster, tmp_pat
     assert not left_queued(tmp_path)
 
 
+@pytest.mark.parity
 def test_a_folder_the_nodes_do_not_share_is_failed_not_waited_on(cluster, tmp_path, monkeypatch):
     """As if the nodes wrote to a disk of their own: the agent's files never appear here."""
     from parity.run import slurm
@@ -292,6 +303,7 @@ def test_a_folder_the_nodes_do_not_share_is_failed_not_waited_on(cluster, tmp_pa
     assert not left_queued(tmp_path)
 
 
+@pytest.mark.parity
 def test_parallel_sides_on_different_nodes_carry_the_topology_line(cluster, tmp_path):
     (tmp_path / "job.py").write_text(JOB.format(nudge=False, label="one"))
     (tmp_path / "spec.toml").write_text(
@@ -310,6 +322,7 @@ def test_parallel_sides_on_different_nodes_carry_the_topology_line(cluster, tmp_
     assert compared.returncode == 0 and f"topology: {where['line']}" in compared.stdout
 
 
+@pytest.mark.parity
 def test_a_side_past_its_time_limit_is_failed_with_slurms_timeout(timeout_run):
     proc, folder = timeout_run
     out, err = proc.communicate(timeout=240)

@@ -1,0 +1,155 @@
+"""parity.run.launch.launch_plain: a job that is not distributed (``distributed = false``) runs as
+one plain process, ``python COMMAND``, with launch's timeout, hang-at-exit grace, Ctrl-C and
+cleanup, and a failure read as rank 0's. No torchrun, so no torch: the pairs here run with a
+``torch`` on the job's path that refuses to import (tests/project/test_install.py runs `check`
+of such a job in a venv without torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parity.run.job import launcher_for
+from parity.run.launch import LaunchResult, launch_plain, survivors
+from parity.spec import JobSpec, SpecError
+from tests.run.procs import procs_mentioning
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAIN = ROOT / "tests" / "jobs" / "plain_job.py"
+
+
+def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
+    out = tmp_path / "out"
+    result = launch_plain([str(PLAIN), "--mode", mode, "--out", str(out)], nproc=1,
+                          run_dir=tmp_path / "launch", **kwargs)  # fmt: skip
+    assert procs_mentioning(str(tmp_path)) == []
+    assert survivors(result.launch_id) == []
+    return result
+
+
+def test_a_plain_job_runs_as_one_process_without_rank_variables(tmp_path: Path) -> None:
+    result = _run(tmp_path, "ok")
+    assert result.ok, result.describe()
+    assert "succeeded" in result.describe() and "no torchrun" in result.describe()
+    assert json.loads((tmp_path / "out" / "env.json").read_text()) == dict.fromkeys(
+        ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    )
+    assert sorted(result.rank_logs) == [0]
+    assert "plain job up" in result.tail(0)
+    first = (tmp_path / "launch" / "launcher.log").read_text().splitlines()[0]
+    assert "torch" not in first and str(PLAIN) in first  # the line that reruns it by hand
+
+
+@pytest.mark.parametrize(
+    ("mode", "exitcode", "signal_name", "in_tail"),
+    [("raise", 1, None, "boom from the plain job"), ("exit3", 3, None, "mode=exit3"),
+     ("sigkill", -9, "SIGKILL", "mode=sigkill")],
+)  # fmt: skip
+def test_a_failed_plain_job_is_rank_0_with_its_exit_and_log(
+    tmp_path: Path, mode: str, exitcode: int, signal_name: str | None, in_tail: str
+) -> None:
+    result = _run(tmp_path, mode)
+    assert not result.ok and result.reason == "crash"
+    (failure,) = result.failures
+    assert (failure.rank, failure.exitcode, failure.signal) == (0, exitcode, signal_name)
+    assert in_tail in failure.log_tail
+    how = f"killed by {signal_name}" if signal_name else f"exit code {exitcode}"
+    assert f"rank 0: {how}" in result.describe()
+
+
+def test_a_hung_plain_job_times_out_and_its_orphan_is_killed(tmp_path: Path) -> None:
+    result = _run(tmp_path, "orphan", timeout_s=3)
+    assert result.timed_out and result.reason == "timeout"
+    assert "timed out after 3 s" in result.describe()
+    orphan = int((tmp_path / "out" / "orphan.pid").read_text())
+    assert not Path(f"/proc/{orphan}").exists() or "Z" in _state(orphan)
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def test_a_plain_job_hung_after_its_output_is_killed_after_the_grace(tmp_path: Path) -> None:
+    end = tmp_path / "out" / "metrics.jsonl"
+    result = _run(tmp_path, "hang-at-exit", timeout_s=120, exit_grace_s=1,
+                  finished=lambda: end.exists() and '"end"' in end.read_text())  # fmt: skip
+    assert result.timed_out and result.duration_s < 60
+    assert "killed as hung at exit" in result.describe()
+
+
+def test_ctrl_c_kills_the_plain_job(tmp_path: Path, interruptible) -> None:
+    code = (
+        "import sys; from pathlib import Path; from parity.run.launch import launch_plain; "
+        "launch_plain([sys.argv[1], '--mode', 'hang', '--out', sys.argv[2] + '/out'], nproc=1, "
+        "run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(PLAIN), str(tmp_path)], preexec_fn=interruptible
+    )
+    try:
+        stdout = tmp_path / "launch" / "logs" / "plain" / "attempt_0" / "0" / "stdout.log"
+        deadline = time.monotonic() + 60
+        while not (stdout.exists() and "up" in stdout.read_text()):
+            assert time.monotonic() < deadline and parent.poll() is None
+            time.sleep(0.1)
+        parent.send_signal(signal.SIGINT)
+        assert parent.wait(timeout=20) != 0
+    finally:
+        parent.kill()
+    assert procs_mentioning(str(tmp_path)) == []
+
+
+def test_launch_plain_refuses_ranks_and_torchrun_flags(tmp_path: Path) -> None:
+    for bad in ({"nproc": 2}, {"nproc": 1, "torchrun_args": ["--standalone"]},
+                {"nproc": 1, "expect_world": 2}):  # fmt: skip
+        with pytest.raises(ValueError, match="one process"):
+            launch_plain([str(PLAIN)], run_dir=tmp_path, **bad)
+
+
+def test_a_spec_that_is_not_distributed_gets_the_plain_launcher_here() -> None:
+    plain = JobSpec(task="custom", command=["t.py"], distributed=False)
+    assert launcher_for(plain) is launch_plain
+    assert launcher_for(JobSpec(task="custom", command=["t.py"])) is not launch_plain
+    with pytest.raises(SpecError, match="distributed = false runs one plain process.*torchrun"):
+        JobSpec(task="custom", command=["t.py"], distributed=False, torchrun_args=["--x"])
+
+
+SPEC = """\
+task = "custom"
+distributed = false
+steps = 5
+timeout_s = 120
+command = ["{job}", "--out", "{{out}}"]
+[env]
+PYTHONPATH = "{no_torch}"
+[b]
+command = ["{job}", "--out", "{{out}}", "--factor", "{factor}"]
+"""
+
+
+@pytest.mark.parametrize(("factor", "code", "verdict"), [(1.0, 0, "aligned"),
+                                                         (1.5, 1, "diverged")])  # fmt: skip
+def test_a_pair_of_plain_jobs_is_judged_without_torch(tmp_path, factor, code, verdict) -> None:
+    no_torch = tmp_path / "no-torch" / "torch"
+    no_torch.mkdir(parents=True)
+    (no_torch / "__init__.py").write_text("raise ImportError('no torch on this job\\'s path')\n")
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC.format(job=PLAIN, no_torch=no_torch.parent, factor=factor))
+    done = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "pair", "--spec", str(spec), "--out",
+         str(tmp_path / "pair"), "--json"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == code, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["verdict"] == verdict
+    if verdict == "diverged":
+        assert result["metrics"]["train/loss"]["first_divergent_step"] == 3
