@@ -116,11 +116,12 @@ def side_of(frame: pd.DataFrame, path: str | os.PathLike[str], label: str) -> Si
     except OSError:  # no launcher.log (or none that can be read): no launcher command
         first = ""
     if first.startswith("# "):
-        side.commands.append(("launcher (torchrun)", first[2:]))
+        how = "torchrun" if "torch.distributed.run" in first else "one plain process"
+        side.commands.append((f"launcher ({how})", first[2:]))
     environment = side.manifest.get("environment")
     argv = environment.get("argv") if isinstance(environment, dict) else None
     if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
-        side.commands.append(("job sys.argv on rank 0, under torchrun", shlex.join(argv)))
+        side.commands.append(("job sys.argv on rank 0", shlex.join(argv)))
     return side
 
 

@@ -18,8 +18,9 @@ The harness's wheel (built once a session from this tree, no extras) goes into:
   here), and the recorder runs a 2-rank gloo loop (tests/jobs/foreign_loop.py) with one step traced
   op by op: two runs `parity compare` finds aligned, and a third with a planted gradient bug
   diverged, its trace naming the planted ops' parameter;
-- `parity check` of a plain-python job (distributed = false) on two revisions of a git repo, in
-  the venv without torch and in each user's torch's;
+- `parity check` of a plain-python job on two revisions of a git repo: in the venv without torch
+  as one plain process (distributed = false, no torchrun), and in each user's torch's under that
+  torch's own torchrun (distributed = true, a world of 1: its launch, log layout and exit);
 - the HF callback (tests/jobs/hf_callback_run.py, as tests/record/test_recorder.py runs it) under
   transformers 4.57.1 (cached env `hf-4.57.1`: torch 2.13.0, accelerate 1.11.0) and 5.24.0 (the
   TRL subject's env: accelerate 1.16.0, trl 1.16.0).
@@ -378,7 +379,7 @@ with open(out / "metrics.jsonl", "w") as f:
 """
 SPEC = """\
 task = "custom"
-distributed = false
+distributed = {distributed}
 world_size = 1
 steps = 5
 command = ["job.py", "--out", "{out}"]
@@ -386,13 +387,13 @@ timeout_s = 120
 """
 
 
-def _repo(root_: Path) -> Path:
+def _repo(root_: Path, distributed: bool) -> Path:
     """Three commits of job.py: base; a refactor that changes no number; a change of the loss
     from step 3 on."""
     repo = root_ / "repo"
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
-    (repo / "job.toml").write_text(SPEC)
+    (repo / "job.toml").write_text(SPEC.replace("{distributed}", str(distributed).lower()))
     for factor, comment in (("1.0", "base"), ("1.0", "refactor"), ("1.5", "change")):
         (repo / "job.py").write_text(JOB.format(factor=factor, comment=comment))
         git(repo, "add", ".")
@@ -400,8 +401,8 @@ def _repo(root_: Path) -> Path:
     return repo
 
 
-def _check(venv: Venv, tmp_path: Path) -> None:
-    repo = _repo(tmp_path)
+def _check(venv: Venv, tmp_path: Path, distributed: bool) -> None:
+    repo = _repo(tmp_path, distributed)
     cases = (("HEAD~2", "HEAD~1", 0, "aligned"), ("HEAD~1", "HEAD", 1, "diverged"))
     for base, head, code, verdict in cases:
         out = tmp_path / f"check-{code}"
@@ -412,16 +413,18 @@ def _check(venv: Venv, tmp_path: Path) -> None:
         assert result["verdict"] == verdict
         if verdict == "diverged":
             assert result["metrics"]["train/loss"]["first_divergent_step"] == 3
+        launcher_log = (out / "base.launch" / "launcher.log").read_text()
+        assert ("torch.distributed.run" in launcher_log) == distributed, launcher_log[:500]
 
 
 @pytest.mark.parity
 def test_check_runs_a_plain_python_job_without_torch(bare, tmp_path):
-    _check(bare, tmp_path)
+    _check(bare, tmp_path, distributed=False)
 
 
 @pytest.mark.parity
-def test_check_runs_a_plain_python_job_with_the_users_torch(user_torch, tmp_path):
-    _check(user_torch, tmp_path)
+def test_check_runs_a_job_under_the_users_torchrun(user_torch, tmp_path):
+    _check(user_torch, tmp_path, distributed=True)
 
 
 # --- the user's torch ---------------------------------------------------------------------------

@@ -153,3 +153,5 @@ def test_a_pair_of_plain_jobs_is_judged_without_torch(tmp_path, factor, code, ve
     assert result["verdict"] == verdict
     if verdict == "diverged":
         assert result["metrics"]["train/loss"]["first_divergent_step"] == 3
+    html = (tmp_path / "pair" / "report.html").read_text()
+    assert "launcher (one plain process)" in html and "torch.distributed.run" not in html
