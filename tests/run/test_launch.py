@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from parity.run.launch import (
     parse_failures,
     survivors,
 )
-from tests.run.procs import procs_mentioning
+from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
 DUMMY = Path(__file__).resolve().parents[1] / "jobs" / "dummy_job.py"
 
@@ -216,17 +215,10 @@ def test_ctrl_c_in_parent_kills_the_job(tmp_path: Path, interruptible) -> None:
         "launch([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]), "
         "env={'DUMMY_MODE': 'hang'}, timeout_s=120)"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", code, str(DUMMY), str(tmp_path)], preexec_fn=interruptible
-    )
-    try:
-        deadline = time.monotonic() + 60
-        logs = tmp_path / "logs"
-        while not any("up" in p.read_text() for p in logs.glob("*/attempt_0/*/stdout.log")):
-            assert time.monotonic() < deadline and parent.poll() is None
-            time.sleep(0.2)
-        parent.send_signal(signal.SIGINT)
-        assert parent.wait(timeout=20) != 0
-    finally:
-        parent.kill()
+    logs = tmp_path / "logs"
+    ctrl_c_once_ready(
+        code, [str(DUMMY), str(tmp_path)],
+        lambda: any("up" in p.read_text() for p in logs.glob("*/attempt_0/*/stdout.log")),
+        interruptible,
+    )  # fmt: skip
     assert procs_mentioning(str(tmp_path)) == []

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from parity.run.job import launcher_for
-from parity.run.launch import LaunchResult, launch_plain, survivors
+from parity.run.launch import PLAIN_LOGS, LaunchResult, launch_plain, survivors
 from parity.spec import JobSpec, SpecError
-from tests.run.procs import procs_mentioning
+from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "tests" / "jobs" / "plain_job.py"
@@ -91,19 +89,12 @@ def test_ctrl_c_kills_the_plain_job(tmp_path: Path, interruptible) -> None:
         "launch_plain([sys.argv[1], '--mode', 'hang', '--out', sys.argv[2] + '/out'], nproc=1, "
         "run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120)"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", code, str(PLAIN), str(tmp_path)], preexec_fn=interruptible
-    )
-    try:
-        stdout = tmp_path / "launch" / "logs" / "plain" / "attempt_0" / "0" / "stdout.log"
-        deadline = time.monotonic() + 60
-        while not (stdout.exists() and "up" in stdout.read_text()):
-            assert time.monotonic() < deadline and parent.poll() is None
-            time.sleep(0.1)
-        parent.send_signal(signal.SIGINT)
-        assert parent.wait(timeout=20) != 0
-    finally:
-        parent.kill()
+    stdout = tmp_path / "launch" / PLAIN_LOGS / "stdout.log"
+
+    def up() -> bool:
+        return stdout.exists() and "up" in stdout.read_text()
+
+    ctrl_c_once_ready(code, [str(PLAIN), str(tmp_path)], up, interruptible)
     assert procs_mentioning(str(tmp_path)) == []
 
 

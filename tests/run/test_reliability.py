@@ -23,7 +23,7 @@ from parity.readers import read_metrics
 from parity.run.job import Run, mark_teardown, run_job
 from parity.run.launch import LaunchError, LaunchResult, RankFailure, launch_nodes, survivors
 from parity.spec import JobSpec
-from tests.run.procs import procs_mentioning
+from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
 DUMMY = Path(__file__).resolve().parents[1] / "jobs" / "dummy_job.py"
 
@@ -195,20 +195,12 @@ def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path, interr
         "launch_nodes([sys.argv[1], sys.argv[2], '--mode', 'hang'], nnodes=2, nproc=1, "
         "run_dir=Path(sys.argv[2]), timeout_s=120)"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", code, str(DUMMY), str(tmp_path)], preexec_fn=interruptible
-    )
-    try:
-        deadline = time.monotonic() + 90
-        logs = list(tmp_path.glob("node*/logs/*/attempt_0/*/stdout.log"))
-        while sum("up" in p.read_text() for p in logs) < 2:
-            assert time.monotonic() < deadline and parent.poll() is None
-            time.sleep(0.2)
-            logs = list(tmp_path.glob("node*/logs/*/attempt_0/*/stdout.log"))
-        parent.send_signal(signal.SIGINT)
-        assert parent.wait(timeout=30) != 0
-    finally:
-        parent.kill()
+    ctrl_c_once_ready(
+        code, [str(DUMMY), str(tmp_path)],
+        lambda: sum("up" in p.read_text()
+                    for p in tmp_path.glob("node*/logs/*/attempt_0/*/stdout.log")) >= 2,
+        interruptible, ready_s=90, exit_s=30,
+    )  # fmt: skip
     assert procs_mentioning(str(tmp_path)) == []
 
 
