@@ -5,10 +5,12 @@ leftover process fails it.
     python benchmarks/soak.py --pairs 2 --json       # what the CI test runs
     python benchmarks/soak.py --pairs 6 --reuse --contend   # one --out for all, a rival command
 
---reuse runs every pair into the same folder (each must be judged on its own runs, not on what
-the one before left); --contend starts a second `parity pair` on that folder while each pair
-runs, which must be refused (exit 2, naming this process). Beside the pairs, a file of the
-user's in --out and a folder outside it, linked from --out, must come out untouched.
+--reuse runs every pair into the same folder: a rerun there must be refused before anything
+runs (exit 2) with the earlier results kept (parity.outdir never deletes), which the soak then
+moves aside, as a user would, for the next pair; --contend starts a second `parity pair` on
+that folder while each pair runs, which must be refused (exit 2, naming this process). Beside
+the pairs, a file of the user's in --out and a folder outside it, linked from --out, must come
+out untouched.
 
 Why: flakes (a rank that aborts at exit 1 time in 8, a port clash, an orphan worker) hide in
 single runs. Two of every three pairs are legacy vs worker, which must be "aligned"; the others
@@ -30,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from parity.outdir import LEDGER_DIR
+from parity.outdir import LEDGER_DIR, OutputError
 from parity.pair import run_pair
 from parity.run.launch import LaunchError, survivors
 from parity.run.signals import Interrupted, cancellable, deferred
@@ -96,6 +98,20 @@ def _contend(folder: Path, done: threading.Event, record: dict) -> None:
     record["contended"] = "refused" if refused else f"exit {proc.returncode}: {proc.stderr[-200:]}"
 
 
+def _rerun(pair: PairSpec, folder: Path, aside: Path) -> str:
+    """A pair into ``folder``, which holds the previous pair: "refused" when it is refused with
+    every file kept; then the previous pair is moved to ``aside``."""
+    before = sorted((p, p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    try:
+        run_pair(pair, folder, trace=False, report=False)
+        outcome = "ran"
+    except OutputError:
+        outcome = "refused"
+    after = sorted((p, p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    folder.rename(aside)
+    return outcome if before == after else f"{outcome}, files changed"
+
+
 def _canary(out: Path) -> tuple[Path, Path]:
     """A file of the user's in ``out`` and a folder outside it linked from ``out``."""
     outside = Path(tempfile.mkdtemp(prefix="parity-soak-outside-"))
@@ -148,6 +164,8 @@ def _soak(
         start = time.monotonic()
         launches, record = [], {"pair": i, "expected": expected}
         folder = out / ("pair" if reuse else f"pair{i:03d}")
+        if reuse and i:
+            record["rerun"] = _rerun(pair, folder, out / f"pair{i - 1:03d}")
         done = threading.Event()
         rival = threading.Thread(target=_contend, args=(folder, done, record), daemon=True)
         if contend:
@@ -178,7 +196,9 @@ def _soak(
         "false_verdicts": sum(r["verdict"] not in (r["expected"], "failed") for r in records),
         "failed": sum(r["verdict"] == "failed" for r in records),
         "leftovers": sum(bool(r["leftovers"]) for r in records),
-        "not_refused": sum(r.get("contended", "refused") != "refused" for r in records),
+        "not_refused": sum(
+            r.get(k, "refused") != "refused" for r in records for k in ("contended", "rerun")
+        ),
         "records": records,
     }
 

@@ -265,7 +265,7 @@ def bisect(
         raise RevisionError(f"good {good!r} is not an ancestor of bad {bad!r}") from None
     out = Path(out).resolve()
     with OutDir.open(out) as held:
-        held.claim(*BISECT_ENTRIES)  # an earlier bisect's runs and verdicts go; the user's stay
+        held.claim(*BISECT_ENTRIES)  # refused if an earlier bisect's or the user's is in the way
         held.make_dir("commits")
         with holding(spec, held) as shared:  # Slurm: every probe on the same nodes
             return _bisect(spec, root, good_c, bad_c, out, policies, reading, shared)

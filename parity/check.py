@@ -156,9 +156,9 @@ def run_in_tree(
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
-    run_dir is made fresh (parity.run.job.launch_spec: nothing an earlier run left is read as
-    this run's, nothing the harness did not make is removed). allow_teardown: a run that failed
-    only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
+    run_dir is made new (parity.run.job.launch_spec: one already there is refused, never
+    removed, so nothing an earlier run left is read as this run's). allow_teardown: a run that
+    failed only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
     reason, for the caller to compare and report.
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
@@ -194,10 +194,10 @@ def check_revisions(
 ) -> CheckResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
 
-    Runs go to out/base and out/head, the report to out; a folder of those names that this
-    harness did not make is refused before anything runs (parity.outdir). Raises RevisionError
-    (bad repo or revision), LaunchError (a run failed) or MetricsError (a run wrote bad
-    metrics). A run that failed only at teardown is compared anyway and named in
+    Runs go to out/base and out/head, the report to out; any of those names already taken
+    (an earlier run's, the user's) is refused before anything runs (parity.outdir). Raises
+    RevisionError (bad repo or revision), LaunchError (a run failed) or MetricsError (a run
+    wrote bad metrics). A run that failed only at teardown is compared anyway and named in
     ``result.teardown``; the verdict is then "failed" unless allow_teardown_failure, as in
     `parity pair`. read: how each side is read (spec.READ_OPTIONS: format, run, duplicates,
     allow_skipped).
@@ -243,7 +243,7 @@ def _read(read: Mapping[str, Any] | None) -> dict[str, Any]:
     both = {"run": options["run"], "duplicates": options["duplicates"]}
     return {
         "fmt": options["format"], "allow_skipped": options["allow_skipped"],
-        "read_a": both, "read_b": both,
+        "at_source_precision": options["at_source_precision"], "read_a": both, "read_b": both,
     }  # fmt: skip
 
 

@@ -1,11 +1,13 @@
 """`parity`: run matched pairs, compare metric files, write reports, check git revisions.
 
-Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format, a partial read, a path that
-cannot be read or written: one line `parity: error: ...`), 3 a run failed, 4 nondeterministic
-(pair --noise-floor: side A run twice differed), 70 an internal error (a bug of ours: one line
-`parity: internal error, please report: ...`, then the traceback). bisect: 1 when it names the
-first diverging commit, 0 when bad is aligned with good. Stopped by a signal: 130 (SIGINT), 143
-(SIGTERM), 129 (SIGHUP); output into a closed pipe: 141. No other code: 1 is only "diverged".
+Exit codes: 0 aligned, 1 diverged, 2 bad input (spec, file, format, a partial read, nothing
+compared, a path that cannot be read or written: one line `parity: error: ...`), 3 a run failed,
+4 nondeterministic (pair --noise-floor: side A run twice differed), 5 imprecise (a metric judged
+exact whose source is rounded: the line names it and its precision), 70 an internal error (a
+bug of ours: one line `parity: internal error, please report: ...`, then the traceback). bisect:
+1 when it names the first diverging commit, 0 when bad is aligned with good. Stopped by a
+signal: 130 (SIGINT), 143 (SIGTERM), 129 (SIGHUP); output into a closed pipe: 141. No other code:
+1 is only "diverged".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from parity.spec import (
 
 EXIT_ALIGNED, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
 EXIT_NONDETERMINISTIC = 4  # pair --noise-floor: side A run twice differed
+EXIT_IMPRECISE = 5  # a metric judged exact on a rounded source: within it, but not provably
 EXIT_INTERNAL = 70  # EX_SOFTWARE (sysexits.h): a bug of ours, never 1 ("diverged")
 
 
@@ -57,6 +60,12 @@ def _with_spec(policies: dict[str, Policy], spec: Path | None) -> dict[str, Poli
     return {**policies, **from_spec}
 
 
+def _exit(comparison: Comparison) -> int:
+    """The metrics verdict's exit code: 0 aligned, 1 diverged, 5 imprecise."""
+    codes = {"aligned": EXIT_ALIGNED, "imprecise": EXIT_IMPRECISE}
+    return codes.get(comparison.verdict, EXIT_DIVERGED)
+
+
 def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) -> int:
     if as_json:
         print(json.dumps({**comparison.to_dict(), **(extra or {})}, allow_nan=False))
@@ -66,8 +75,8 @@ def _report(comparison: Comparison, as_json: bool, extra: dict | None = None) ->
             print(f"diagnosis: {line}")
         if (extra or {}).get("topology"):
             print(f"topology: {extra['topology']}")
-        print(f"verdict: {comparison.verdict}")
-    return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
+        print(f"verdict: {comparison.verdict_text()}")
+    return _exit(comparison)
 
 
 def cmd_pair(args: argparse.Namespace) -> int:
@@ -178,6 +187,8 @@ def _pair(args: argparse.Namespace, pair: PairSpec, policies: dict) -> int:
         noise_floor=args.noise_floor,
         in_process=args.in_process,
         trace=args.trace,
+        at_source_precision=args.at_source_precision
+        or (args.spec is not None and load_read_options(args.spec)["at_source_precision"]),
     )
     html = result.report.with_name("report.html")
     if not args.json:
@@ -228,7 +239,7 @@ def _report_teardown(result, as_json: bool, extra: dict) -> int:
         print(f"verdict: {result.verdict}{allowed}")
     if result.verdict == "failed":
         return EXIT_RUN_FAILED
-    return EXIT_ALIGNED if comparison.ok else EXIT_DIVERGED
+    return _exit(comparison)
 
 
 def _read_options(args: argparse.Namespace, side: str) -> dict:
@@ -247,6 +258,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         allow_missing=args.allow_missing,
         allow_incomplete=args.allow_incomplete,
         allow_skipped=args.allow_skipped,
+        at_source_precision=args.at_source_precision,
     )
     extra = {"diagnosis": _diagnosis(args.a, args.b, comparison)}
     line = _topology_line(args.a, args.b, comparison.verdict)
@@ -291,6 +303,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         allow_missing=args.allow_missing,
         allow_incomplete=args.allow_incomplete,
         allow_skipped=args.allow_skipped,
+        at_source_precision=args.at_source_precision,
         read_a=_read_options(args, "a"),
         read_b=_read_options(args, "b"),
         notes=_topology_notes(args.a, args.b),
@@ -306,7 +319,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(report.headline())
     for line in report.diagnosis.lines() if report.diagnosis is not None else []:
         print(f"diagnosis: {line}")
-    return EXIT_ALIGNED if report.comparison.ok else EXIT_DIVERGED
+    return _exit(report.comparison)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -353,6 +366,7 @@ def _run_read_options(args: argparse.Namespace) -> dict:
     given = {
         "format": args.format, "run": args.run, "duplicates": args.duplicates,
         "allow_skipped": args.allow_skipped or None,
+        "at_source_precision": getattr(args, "at_source_precision", False) or None,
     }  # fmt: skip
     return {**read, **{k: v for k, v in given.items() if v is not None}}
 
@@ -449,6 +463,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         keys = ", ".join(f"{k}={v!r}" for k, v in task.keys.items())
         side = f"; --a/--b VALUE sets {task.side_key}" if task.side_key else ""
         print(f"{name}  {task.summary} ({task.entry or 'registered'}){side}\n    keys: {keys}")
+        if task.preload:  # the default of its specs' preload key
+            print(f"    preload: {', '.join(task.preload)}")
     if len(names()) == 1:
         print(f"(no presets: no installed package registers one in {TASK_GROUP})")
     return 0
@@ -592,6 +608,12 @@ def build_parser() -> argparse.ArgumentParser:
             "pieces POLICY@STEPS (repeat it; wins over the spec's [policies])",
         )  # fmt: skip
         s.add_argument("--json", action="store_true", help="print one JSON object")
+    for s in (pair, compare, report, check):
+        s.add_argument(
+            "--at-source-precision", action="store_true",
+            help="judge a metric whose log is rounded (4 decimals) at that precision: 'aligned "
+            "at 4 decimals'; without it an exact policy on a rounded log is 'imprecise' (exit 5)",
+        )  # fmt: skip
     return p
 
 

@@ -8,6 +8,7 @@ summaries and goldens refuse NaN here, where a run's own records spell it as Pyt
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ def launch_dir(run_dir: Path) -> Path:
     """Where the harness keeps a run's launch files (launcher.log, rank logs, world records):
     beside the job's output folder, never in it, so the job starts in an empty folder."""
     run_dir = Path(run_dir)
-    return run_dir.with_name(run_dir.name + LAUNCH_SUFFIX)
+    if run_dir.name in ("", ".."):  # "." or ".." (a metrics file's folder): named by its path
+        run_dir = Path(os.path.abspath(run_dir))
+    return run_dir.parent / (run_dir.name + LAUNCH_SUFFIX)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -1,43 +1,42 @@
-"""Output folders the harness owns: it removes or replaces only what it made itself.
+"""Output folders: the harness only ever adds new entries; it never deletes, replaces or moves
+anything that was in the folder before the command started.
 
-A command writes into a folder (``--out``); every entry it makes there (a side's run folder, its
-launch folder, a report) is recorded in ``OUT/.parity-out/made.json`` with its device and inode.
-Before making an entry again, an existing one is removed only when that record says the harness
-made that very file or folder. Anything else in the way, the user's folder, a symlink (never
-followed), is refused with one line (``OutputError``, exit 2) and left as it was. So
-``parity check --out .`` at a repository's root cannot delete its ``base/``, and a rerun into
-the same ``--out`` starts from empty folders: no earlier run's file is read as this run's.
+A command writes into a folder (``--out``). Before anything runs it checks that every name it
+will write there (a side's run folder, its launch folder, a report) is free (an empty folder,
+having nothing to lose, counts as free); a name that is taken, by an earlier run or by the user,
+a symlink included (never followed), is refused with one line (``OutputError``, exit 2) naming
+it, and everything is left as it was. Folders are then made with ``mkdir``, which fails rather
+than take one filled in the meantime. Nothing records
+what the harness made, so there is no record to go stale, to be forged or to be committed: a
+rerun into the same ``--out`` is refused until the earlier results are moved away, and no
+earlier run's file can be read as this run's.
 
-``OUT/.parity-out/lock`` is held (flock) while a command works in OUT; a second command on the
-same folder is refused with the holder's pid and command line. Nested uses in one process (a
-pair's ``run_job`` calls) share the holder's lock.
+``OUT/.parity-out/lock`` (made empty if missing, never written) is held with flock while a
+command works in OUT; a second command on the same folder is refused with the holder's pid and
+command line (read from /proc/locks). Nested uses in one process (a pair's ``run_job`` calls)
+share the holder's lock.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import shutil
-import sys
 import threading
-import time
 from pathlib import Path
 
 from parity.errors import InputError
-from parity.files import write_json_atomic
 
-LEDGER_DIR = ".parity-out"
-_LEDGER, _LOCK, _HOLDER = "made.json", "lock", "holder.json"
+LEDGER_DIR = ".parity-out"  # the lock's folder (the name is kept for the tools that read it)
+_LOCK = "lock"
 
 
 class OutputError(InputError):
-    """An output path the harness may not write: not its own, or in use; one line."""
+    """An output path the harness may not write: taken already, or in use; one line."""
 
 
 class OutDir:
-    """One output folder held by this process: ``claim`` names, ``make_dir`` them, then
-    ``close`` (or use it as a context manager) records what was made."""
+    """One output folder held by this process: ``claim`` the names a command will write, then
+    ``make_dir`` them; ``close`` (or use it as a context manager) releases the lock."""
 
     _held: dict[Path, OutDir] = {}
     _guard = threading.Lock()
@@ -47,7 +46,7 @@ class OutDir:
         self.meta = root / LEDGER_DIR
         self._users = 0
         self._fd: int | None = None
-        self._made: dict[str, dict] = {}
+        self._ours: set[str] = set()  # names claimed (found free) while this process holds it
 
     # --- opening and closing ---------------------------------------------------------------------
 
@@ -69,7 +68,7 @@ class OutDir:
         if self.root.exists() and not self.root.is_dir():
             raise OutputError(f"{self.root}: exists and is not a folder; give --out a folder")
         if self.meta.is_symlink() or (self.meta.exists() and not self.meta.is_dir()):
-            raise OutputError(f"{self.meta}: not parity's own folder; choose another --out")
+            raise OutputError(f"{self.meta}: not parity's lock folder; choose another --out")
         try:
             self.meta.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.meta / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -78,45 +77,22 @@ class OutDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = _holder(fd)
             os.close(fd)
-            raise OutputError(f"{self.root}: in use by {self._holder()}; wait for it or choose "
+            raise OutputError(f"{self.root}: in use by {holder}; wait for it or choose "
                               "another --out") from None  # fmt: skip
         self._fd = fd
-        holder = {"pid": os.getpid(), "argv": sys.argv, "since": time.time()}
-        write_json_atomic(self.meta / _HOLDER, holder)
-        self._made = self._read_ledger()
-
-    def _holder(self) -> str:
-        try:
-            data = json.loads((self.meta / _HOLDER).read_text(encoding="utf-8"))
-            return f"pid {int(data['pid'])} ({' '.join(map(str, data['argv']))[:200]})"
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
-            return "another parity command"
-
-    def _read_ledger(self) -> dict[str, dict]:
-        try:
-            data = json.loads((self.meta / _LEDGER).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError):
-            return {}  # unreadable: nothing is known to be ours, so nothing is removed
-        if not isinstance(data, dict):
-            return {}
-        return {k: v for k, v in data.items() if isinstance(v, dict)}
 
     def close(self) -> None:
-        """Record what was made (its inode) and, for the last user, release the lock."""
+        """For the last user, release the lock."""
         with self._guard:
             self._users -= 1
             if self._users > 0:
                 return
             self._held.pop(self.root, None)
-        try:
-            self._save(final=True)
-        finally:
-            if self._fd is not None:
-                os.close(self._fd)  # releases the flock
-                self._fd = None
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
 
     def __enter__(self) -> OutDir:
         return self
@@ -127,52 +103,41 @@ class OutDir:
     # --- what lies in it -------------------------------------------------------------------------
 
     def claim(self, *names: str) -> None:
-        """Make room for each name: absent or an empty folder is fine, one this harness made is
-        removed, anything else raises OutputError naming it. Claimed names count as ours until
-        recorded."""
+        """Check that each name is free (nothing there, or an empty folder: nothing to lose),
+        before anything is written; raises OutputError naming the first one taken. A name this
+        process claimed already while holding the folder is its own to write."""
         for name in names:
             self._check_name(name)
             path = self.root / name
-            if os.path.lexists(path):
-                if self.made_here(name):
-                    _remove(path)
-                elif not _empty_dir(path):  # an empty folder has nothing to lose: taken as is
-                    raise OutputError(_foreign(path))
-            self._made[name] = {"pending": True}
-        self._save()
-
-    def made_here(self, name: str) -> bool:
-        """Whether ``root/name`` is the very entry this harness made (never through a symlink)."""
-        path = self.root / name
-        entry = self._made.get(name)
-        if entry is None or path.is_symlink() or not os.path.lexists(path):
-            return False
-        if entry.get("pending"):
-            return True  # claimed by a command that ended before it could record the inode
-        st = os.lstat(path)
-        return (entry.get("dev"), entry.get("ino")) == (st.st_dev, st.st_ino)
+            if name not in self._ours and os.path.lexists(path) and not _empty_dir(path):
+                raise OutputError(_taken(path))
+        self._ours.update(names)
 
     def make_dir(self, name: str) -> Path:
-        """An empty folder ``root/name`` (claimed first), recorded as made here."""
+        """An empty folder ``root/name``, made, or taken as it is when an empty folder is there
+        already; raises OutputError when anything else is there."""
         self.claim(name)
         path = self.root / name
-        path.mkdir(exist_ok=True)
-        self._record(name)
-        self._save()
+        try:
+            path.mkdir()
+        except FileExistsError:
+            if not _empty_dir(path):  # made, or filled, since the claim: never taken
+                raise OutputError(_taken(path)) from None
+        except OSError as e:
+            raise OutputError(f"{path}: cannot make this folder: {e.strerror or e}") from None
         return path
 
-    def _record(self, name: str) -> None:
-        path = self.root / name
-        if os.path.lexists(path) and not path.is_symlink():
-            st = os.lstat(path)
-            self._made[name] = {"dev": st.st_dev, "ino": st.st_ino}
-
-    def _save(self, final: bool = False) -> None:
-        if final:
-            for name, entry in list(self._made.items()):
-                if entry.get("pending"):
-                    self._record(name)
-        write_json_atomic(self.meta / _LEDGER, self._made)
+    def fresh_dir(self, stem: str) -> Path:
+        """A new empty folder named ``stem``, or ``stem-2``, ``stem-3``, ... the first free
+        one: for a folder whose name nobody relies on (a session's warm pools)."""
+        for n in range(1, 10_000):
+            name = stem if n == 1 else f"{stem}-{n}"
+            if not os.path.lexists(self.root / name):
+                try:
+                    return self.make_dir(name)
+                except OutputError:
+                    continue  # made meanwhile: the next name
+        raise OutputError(f"{self.root / stem}: no free name left; choose another --out")
 
     def _check_name(self, name: str) -> None:
         """A name of its own in the folder: an ``--out`` of ``/`` or ``X/.parity-out`` is none."""
@@ -180,39 +145,57 @@ class OutDir:
             raise OutputError(f"{self.root}: not an entry name: {name!r}; choose another --out")
 
 
-def _foreign(path: Path) -> str:
-    if path.is_symlink():
-        return f"{path}: a symlink in the way; parity never deletes through one: remove it or " \
-               "choose another --out"  # fmt: skip
-    kind = "folder" if path.is_dir() else "file"
-    return (
-        f"{path}: a {kind} parity did not make is in the way; it is never deleted or "
-        "overwritten: move it or choose another --out"
-    )
+def free_name(folder: Path, name: str, *suffixes: str) -> str:
+    """``name``, or ``name-2``, ``name-3``, ... the first one that, with each suffix appended,
+    names nothing in ``folder`` (a run folder and its ``.launch`` both free)."""
+    n = 1
+    while True:
+        candidate = name if n == 1 else f"{name}-{n}"
+        if not any(os.path.lexists(folder / (candidate + s)) for s in ("", *suffixes)):
+            return candidate
+        n += 1
 
 
 def _empty_dir(path: Path) -> bool:
+    """A real folder (not a symlink to one) with nothing in it."""
     if path.is_symlink() or not path.is_dir():
         return False
     with os.scandir(path) as entries:
         return next(entries, None) is None
 
 
-def _remove(path: Path) -> None:
-    """Remove an entry this harness made; a folder's symlinks are removed, never followed."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
+def _taken(path: Path) -> str:
+    if path.is_symlink():
+        what = "a symlink"
     else:
-        path.unlink()
+        what = "a folder" if path.is_dir() else "a file"
+    return (
+        f"{path}: {what} is already there (an earlier run's or yours); parity never deletes, "
+        "replaces or follows anything: move it away or choose another --out"
+    )
 
 
-def owned_dir(path: str | os.PathLike[str]) -> tuple[OutDir, Path]:
-    """(the held parent folder, a fresh empty ``path`` made in it): a run folder of one's own.
-    The caller closes the OutDir when done with the folder."""
-    path = Path(os.path.abspath(path))
-    out = OutDir.open(path.parent)
+def _holder(fd: int) -> str:
+    """Who holds the flock on ``fd``'s file: its pid and command line, from /proc/locks (Linux);
+    "another parity command" where that cannot be read (another node of a shared file system)."""
+    st = os.fstat(fd)
+    pids = []
     try:
-        return out, out.make_dir(path.name)
-    except BaseException:
-        out.close()
-        raise
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; "->" a waiter
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or not fields[4].isdigit():
+            continue
+        if fields[5].rsplit(":", 1)[-1] == str(st.st_ino):
+            pids.append(int(fields[4]))
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        return f"pid {pid} ({b' '.join(argv).decode(errors='replace')[:200]})"
+    return "another parity command"

@@ -186,10 +186,14 @@ def compare_pair(
     *,
     allow_teardown_failure: bool = False,
     floor: NoiseFloor | None = None,
+    at_source_precision: bool = False,
 ) -> PairResult:
     """The two runs of a pair compared under ``policies``: the one place a pair's result is
-    made (run_pair's and the pytest plugin's). ``out``: the pair's folder."""
-    comparison = compare_frames(a.metrics, b.metrics, policies)
+    made (run_pair's and the pytest plugin's). ``out``: the pair's folder. at_source_precision:
+    a rounded log is judged at its decimals (compare_frames)."""
+    comparison = compare_frames(
+        a.metrics, b.metrics, policies, at_source_precision=at_source_precision
+    )
     return PairResult(a, b, comparison, Path(out), allow_teardown_failure, floor=floor)
 
 
@@ -212,6 +216,7 @@ def run_pair(
     noise_floor: bool = False,
     trace: bool = True,
     report: bool = True,
+    at_source_precision: bool = False,
 ) -> PairResult:
     """Everything `parity pair` does: both sides one after the other (2 cores: concurrency would
     only add noise), compared, diagnosed, rerun traced where that helps, summarized, reported.
@@ -241,6 +246,7 @@ def run_pair(
             result = run_sides(
                 pair, out, policies, in_process,
                 allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
+                at_source_precision=at_source_precision,
             )  # fmt: skip
             return finish_pair(result, trace=trace, report=report)
 
@@ -262,6 +268,7 @@ def run_sides(
     *,
     allow_teardown_failure: bool = False,
     noise_floor: bool = False,
+    at_source_precision: bool = False,
 ) -> PairResult:
     """Run the pair's sides into out/a and out/b (A twice first with noise_floor) and compare
     them; nothing is written beside the runs (finish_pair does that)."""
@@ -294,8 +301,9 @@ def run_sides(
             spec_b, out / "b", label=side_label("b", spec_b), allow_teardown_failure=True
         )
     return compare_pair(
-        a, b, out, policies, allow_teardown_failure=allow_teardown_failure, floor=floor
-    )
+        a, b, out, policies, allow_teardown_failure=allow_teardown_failure, floor=floor,
+        at_source_precision=at_source_precision,
+    )  # fmt: skip
 
 
 def finish_pair(

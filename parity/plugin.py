@@ -136,7 +136,7 @@ class ParityRunner:
         self.pools = None
         if pool:
             with OutDir.open(base_dir) as held:
-                self.pools = Pools(held.make_dir("pools"))
+                self.pools = Pools(held.fresh_dir("pools"))  # a kept DIR's earlier pools stay
         self._runs: dict[tuple, object] = {}
         self._separate: dict[tuple, object] = {}  # launched alone, where _runs holds in-process
         self._in_process: dict[tuple, object] = {}  # pair_in_process results, by both keys
@@ -148,9 +148,16 @@ class ParityRunner:
             self.pools.close()
 
     def _folder(self, name: str) -> Path:
+        """A run folder's path whose name, and its launch folder's, are free: a kept DIR's runs
+        from an earlier session stay and are never reused."""
+        from parity.files import LAUNCH_SUFFIX
+        from parity.outdir import free_name
+
         name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
         self._count += 1
-        return self.base_dir / f"{self._count - 1:03d}-{name}"
+        name = f"{self._count - 1:03d}-{name}"
+        suffixes = (LAUNCH_SUFFIX, "-alone", "-alone" + LAUNCH_SUFFIX)  # see job()
+        return self.base_dir / free_name(self.base_dir, name, *suffixes)
 
     @staticmethod
     def _key(spec: JobSpec) -> tuple:
@@ -250,7 +257,7 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[
 
     keep = request.config.getoption("--parity-keep-runs")
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
-    with OutDir.open(base):  # held for the session: run folders made fresh, only ours removed
+    with OutDir.open(base):  # held for the session: run folders made new, nothing removed
         _cancellable(request.config, base)
         runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
         try:

@@ -202,8 +202,11 @@ def _cells(m: MetricResult) -> list[str]:
     ]
 
 
-def _per_step(a: pd.DataFrame, b: pd.DataFrame, name: str) -> pd.DataFrame:
-    """Steps, both values (NaN where absent), abs diff and ULP where both sides have the cell."""
+def _per_step(
+    a: pd.DataFrame, b: pd.DataFrame, name: str, ulp_dtype: str = "float64"
+) -> pd.DataFrame:
+    """Steps, both values (NaN where absent), abs diff and ULP where both sides have the cell,
+    counted in the float type the comparison counted them in (float32 for a float32 loss)."""
     steps = a.index.union(b.index).sort_values()
     cols = {}
     for side, frame in (("a", a), ("b", b)):
@@ -216,7 +219,8 @@ def _per_step(a: pd.DataFrame, b: pd.DataFrame, name: str) -> pd.DataFrame:
     both = cols["has_a"] & cols["has_b"]
     with np.errstate(invalid="ignore", over="ignore"):
         absd = np.where(both, np.abs(cols["a"] - cols["b"]), np.nan)
-    ulp = np.where(both, ulp_distance(cols["a"], cols["b"]).astype(np.float64), np.nan)
+    dist = ulp_distance(cols["a"], cols["b"], np.dtype(ulp_dtype).type)
+    ulp = np.where(both, dist.astype(np.float64), np.nan)
     return pd.DataFrame({"a": cols["a"], "b": cols["b"], "abs": absd, "ulp": ulp}, index=steps)
 
 
@@ -226,7 +230,7 @@ def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    d = _per_step(a, b, m.name)
+    d = _per_step(a, b, m.name, m.ulp_dtype)
     fig = Figure(figsize=(10, 3), dpi=80, layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2, sharex=True)
@@ -272,8 +276,8 @@ class Report:
     def headline(self) -> str:
         c = self.comparison
         counts = c.results.counts()
-        text = f"parity: {c.verdict} (" + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-        return text + ")"
+        shown = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        return f"parity: {c.verdict_text()} ({shown})"
 
     def first_line(self) -> str:
         first = first_divergence(self.comparison)
@@ -397,8 +401,8 @@ class Report:
         return _PAGE.format(title=e(self.headline()), body="\n".join(body))
 
     def write(self, out_dir: str | os.PathLike[str]) -> Path:
-        """report.md and report.html into out_dir (atomically; a file of that name the harness
-        did not make is refused, parity.outdir); returns report.md's path."""
+        """report.md and report.html into out_dir (atomically; either name already taken, by an
+        earlier report or the user, is refused, parity.outdir); returns report.md's path."""
         out = Path(out_dir)
         with OutDir.open(out) as held:
             held.claim("report.html", "report.md")
@@ -471,6 +475,7 @@ def build_report(
     allow_missing: bool = False,
     allow_incomplete: bool = False,
     allow_skipped: bool = False,
+    at_source_precision: bool = False,
     read_a: Mapping[str, Any] | None = None,
     read_b: Mapping[str, Any] | None = None,
 ) -> Report:
@@ -486,6 +491,7 @@ def build_report(
         allow_missing=allow_missing,
         allow_incomplete=allow_incomplete,
         allow_skipped=allow_skipped,
+        at_source_precision=at_source_precision,
     )
     diagnosis = diagnose(side_a.run_dir, side_b.run_dir, comparison)
     return Report(comparison, side_a, side_b, list(notes), diagnosis)

@@ -31,7 +31,10 @@ from parity.tasks import CUSTOM
 TABLES = ("a", "b", "policies", "read")  # a spec file's tables beside the job's keys
 LAUNCHER_KINDS = ("local", "slurm")
 #: how check and bisect read each side's run folder: read_metrics' and compare's options
-READ_OPTIONS = {"format": None, "run": None, "duplicates": "error", "allow_skipped": False}
+READ_OPTIONS = {
+    "format": None, "run": None, "duplicates": "error", "allow_skipped": False,
+    "at_source_precision": False,
+}  # fmt: skip
 
 Scalar = str | int | float | bool
 
@@ -85,6 +88,7 @@ class LauncherSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
                 raise SpecError(f"launcher {name} must be a number of seconds > 0, got {value!r}")
+        _refuse_nul(self.to_dict(), "launcher.")
         if self.kind == "local":
             given = [k for k, v in self.to_dict().items() if k != "kind"]
             if given:
@@ -135,6 +139,7 @@ class JobSpec:
     timeout_s: float = 600.0
     torchrun_args: list[str] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # names of mutants to apply
+    preload: list[str] | None = None  # imported by a fast path's warm ranks; None: the preset's
     env: dict[str, str] = field(default_factory=dict)  # variables the job runs with
     launcher: LauncherSpec = field(default_factory=LauncherSpec)  # where the torchruns run
     options: dict[str, Any] = field(default_factory=dict)  # the preset's own keys
@@ -151,6 +156,7 @@ class JobSpec:
         timeout_s: float = 600.0,
         torchrun_args: list[str] | tuple[str, ...] = (),
         inject: list[str] | tuple[str, ...] = (),
+        preload: list[str] | tuple[str, ...] | None = None,
         env: Mapping[str, Any] | None = None,
         launcher: LauncherSpec | Mapping[str, Any] | str | None = None,
         options: Mapping[str, Any] | None = None,
@@ -200,10 +206,14 @@ class JobSpec:
             )
         object.__setattr__(self, "env", _env(self.env))
         object.__setattr__(self, "launcher", LauncherSpec.from_value(self.launcher))
+        _refuse_nul({n: getattr(self, n) for n in _FIELDS if n not in ("launcher", "options")})
+        _refuse_nul(self.options)
         if (self.launcher.nodes or self.nnodes) < self.nnodes:
             raise SpecError(f"launcher nodes {self.launcher.nodes} is fewer than the job's nnodes "
                             f"{self.nnodes}")  # fmt: skip
         preset = self.preset
+        default = list(preset.preload) if preset is not None else []
+        object.__setattr__(self, "preload", _module_names("preload", self.preload, default))
         if preset is None:
             if self.command is None or len(self.command) == 0:
                 raise SpecError("task 'custom' needs a command (module or script args)")
@@ -342,6 +352,9 @@ seed = 0
 timeout_s = 600.0          # per run; the run is killed and reported as failed after it
 torchrun_args = []         # extra torchrun flags, e.g. ["--master-port", "29600"]
 inject = []                # mutants applied before the job starts (`parity mutants`)
+preload = []               # modules the job imports first thing, in its order, that the fast
+                           # paths (--in-process, pytest's pools) import once before forking it
+                           # (a preset's default: its own; see docs/spec.md)
 # a preset's own keys go here too, e.g. trainer = "legacy" (`parity tasks` lists them)
 
 [env]                      # variables the job runs with (both sides; [a.env]/[b.env] per side)
@@ -371,6 +384,7 @@ kind = "local"             # "local": this machine; "slurm": one sbatch allocati
 # run = "NAME"                  # the run to read in a folder holding several
 duplicates = "error"       # a step logged twice with other values: error, first or last
 allow_skipped = false      # compare although a reader skipped records it could not use
+at_source_precision = false  # judge a rounded log at its decimals (else: verdict imprecise)
 
 [b]                        # side b only (pair); check and bisect run one job on two revisions
 env = { ACCELERATE_USE_CPU = "true", MY_FLAG = "new" }
@@ -469,6 +483,7 @@ def load_read_options(path: str | Path | None) -> dict[str, Any]:
         "run": options["run"] is None or isinstance(options["run"], str),
         "duplicates": options["duplicates"] in DUPLICATE_RULES,
         "allow_skipped": isinstance(options["allow_skipped"], bool),
+        "at_source_precision": isinstance(options["at_source_precision"], bool),
     }
     for key, ok in checks.items():
         if not ok:
@@ -555,6 +570,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _module_names(name: str, value: object, default: list[str]) -> list[str]:
+    """A list of dotted module names (``default`` for None), each once: what `import` takes."""
+    if value is None:
+        return list(default)
+    names = _str_list(name, value)
+    for module in names:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise SpecError(f"{name}: {module!r} is not a module name (pkg.module)")
+        if names.count(module) > 1:
+            raise SpecError(f"{name}: {module!r} is listed twice")
+    return names
+
+
 def _str_list(name: str, value: object) -> list[str]:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
         raise SpecError(f"{name} must be a list of strings, got {value!r}")
@@ -586,6 +614,34 @@ def _env(value: object) -> dict[str, str]:
             raise SpecError(f"env[{key!r}] must be a string, number or bool, got {v!r}")
         out[key] = format_scalar(v)
     return out
+
+
+def _nul_at(value: object, where: str) -> str | None:
+    """The key path (``command[2]``, ``env['X']``) of the first string in ``value`` that holds
+    a NUL character, a mapping's keys included; None where none does."""
+    if isinstance(value, str):
+        return where if "\0" in value else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            at = f"{where}[{key!r}]"
+            if isinstance(key, str) and "\0" in key:
+                return at
+            if found := _nul_at(item, at):
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if found := _nul_at(item, f"{where}[{i}]"):
+                return found
+    return None
+
+
+def _refuse_nul(keys: Mapping[str, Any], prefix: str = "") -> None:
+    """SpecError naming the key whose string holds a NUL: no argument, environment variable or
+    path the launch hands to exec can carry one (exec would fail at launch, after the checks)."""
+    for key, value in keys.items():
+        if found := _nul_at(value, f"{prefix}{key}"):
+            raise SpecError(f"{found} holds a NUL character (\\0), which no command line, "
+                            "environment variable or path can carry")  # fmt: skip
 
 
 def format_scalar(value: Scalar) -> str:

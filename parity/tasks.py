@@ -49,6 +49,8 @@ class Task:
     traced: the spec rerun to trace ``step`` (its ops written to ops/) and stop after it,
         resuming from a state the job saved when one is given (parity.run.trace_rerun); raises
         SpecError with the reason when it cannot be. None: the job cannot be asked for a trace.
+    preload: the default of its specs' ``preload`` key: modules the job imports first thing, in
+        that order, that the fast paths import once per warm rank (parity.run.inprocess).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Task:
     check: Callable[[JobSpec], None] | None = None
     side_key: str | None = None
     traced: Callable[[JobSpec, int, Path | None], JobSpec] | None = None
+    preload: tuple[str, ...] = ()
     entry: str = field(default="", compare=False)  # where it was registered, for messages
 
 

@@ -1,7 +1,7 @@
 """The one function that makes a run reproducible; call it before the model is built.
 
 On CUDA that takes more than seeds: cuBLAS needs a fixed workspace (CUBLAS_WORKSPACE_CONFIG, set
-before its first handle, so `worker.entry` sets it at import too), kernels without a
+before its first handle, so `worker.boot` sets it at import too), kernels without a
 deterministic implementation must fail instead of running (deterministic algorithms), TF32 must
 be off for matmuls and cuDNN (it rounds fp32 inputs to 10 bits of mantissa: other numbers than a
 CPU's, and not what the job asked for), and cuDNN must not benchmark (it may pick another

@@ -1,12 +1,16 @@
 """How every job process starts and ends under torchrun (or accelerate launch).
 
-One place for the lifecycle both entry points need: offline Hugging Face settings, torchrun's
-`record` (so a failing rank's own traceback reaches the launcher's summary), the timing file the
-benchmarks read, and a clean teardown.
+One place for the lifecycle both entry points need: the start-up every job runs first
+(worker.boot: offline Hugging Face settings and the heavy imports, what the presets' `preload`
+names), torchrun's `record` (so a failing rank's own traceback reaches the launcher's summary),
+the timing file the benchmarks read, and a clean teardown.
 """
 
 from __future__ import annotations
 
+import worker.boot  # noqa: F401  (first: before any code of the job's own; its docstring says why)
+
+# isort: split
 import argparse
 import dataclasses
 import gc
@@ -16,13 +20,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# cuBLAS reads it at its first handle: set before torch (worker.determinism sets the same, and
-# records it in the manifest)
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def _lifecycle(train: Callable[[list[str] | None], None], argv: list[str] | None) -> int:
@@ -39,8 +36,11 @@ def _lifecycle(train: Callable[[list[str] | None], None], argv: list[str] | None
 
 
 def pause_gc_until_training() -> None:
-    """Turn the cyclic garbage collector off for a job's start-up: `run_job` does before torch's
-    import, each job's `train` before its own (in-process and pooled sides start there).
+    """Turn the cyclic garbage collector off for a job's start-up: `run_job` does first, each
+    job's `train` again before its own imports (for a caller of `train` without `run_job`), and
+    worker.boot around the heavy imports. A job in a fast path (in-process, pooled) starts as a
+    launched one does, a fresh process running `python -m MODULE` from the top, forked from a
+    warm rank that imported only numpy, torch and its preset's preload (worker.boot).
 
     Why: importing torch, DTensor and transformers and building the job makes about 600,000
     objects that live as long as the process, and the collector walks them again and again

@@ -115,8 +115,14 @@ def traced(spec: JobSpec, step: int, resume: Path | None) -> JobSpec:
     return spec.replace(overrides=overrides)
 
 
+#: what both jobs import first (worker.entry's first line): the fast paths import it once per
+#: warm rank, before forking the jobs (parity.run.inprocess)
+PRELOAD = ("worker.boot",)
+
+
 def _preset(name: str, summary: str, module: str) -> Task:
-    return Task(name, summary, KEYS, job_args(module), check, side_key="trainer", traced=traced)
+    return Task(name, summary, KEYS, job_args(module), check, side_key="trainer", traced=traced,
+                preload=PRELOAD)  # fmt: skip
 
 
 SFT = _preset("charcount-sft", "fine-tuning of the tiny Qwen2 (worker.sft)", "worker.sft")

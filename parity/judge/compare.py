@@ -44,6 +44,7 @@ __all__ = [
     "MetricResult",
     "MetricResults",
     "MetricsError",
+    "NothingComparedError",
     "Policy",
     "PolicyError",
     "SkippedRecordsError",
@@ -55,7 +56,16 @@ __all__ = [
     "ulp_distance",
 ]
 
-_ORDER = {"diverged": 0, "missing": 1, "match": 2, "ignored": 3}
+_ORDER = {"diverged": 0, "missing": 1, "imprecise": 2, "match": 3, "ignored": 4}
+ADVICE = (
+    "log the full float, or judge at the source precision with --at-source-precision or a "
+    "close:/ulp: policy"
+)
+
+
+class NothingComparedError(MetricsError):
+    """Two sides with no metric judged at any step (every one ignored, or none on both sides):
+    no verdict, since "aligned" would say nothing was found that nothing was looked for."""
 
 
 @dataclass
@@ -64,7 +74,7 @@ class MetricResult:
 
     name: str
     policy: str
-    status: Literal["match", "diverged", "ignored", "missing"]
+    status: Literal["match", "diverged", "ignored", "missing", "imprecise"]
     ok: bool = True
     steps_compared: int = 0
     exact_matches: int = 0
@@ -82,6 +92,7 @@ class MetricResult:
     missing_in_a: list[int] = field(default_factory=list)
     missing_in_b: list[int] = field(default_factory=list)
     precision: str = FLOAT64  # what both sources hold: the values are judged at it
+    ulp_dtype: str = FLOAT64  # the float type max_ulp and ulp: policies count in
     note: str = ""
 
 
@@ -193,6 +204,7 @@ class MetricResults(Mapping[str, MetricResult]):
             name,
             policy,
             "match",
+            ulp_dtype=_width(precision),
             steps_compared=n,
             exact_matches=n,
             max_abs_diff=zero,
@@ -286,7 +298,7 @@ class Comparison:
 
     metrics: a MetricResults (a plain dict given is made one), read like a dict."""
 
-    verdict: Literal["aligned", "diverged"]
+    verdict: Literal["aligned", "diverged", "imprecise"]
     metrics: Mapping[str, MetricResult]
     a_source: str | None = None
     b_source: str | None = None
@@ -306,6 +318,14 @@ class Comparison:
     @property
     def ok(self) -> bool:
         return self.verdict == "aligned"
+
+    def verdict_text(self) -> str:
+        """The verdict as printed: "aligned at 4 decimals" when a judged metric's sources hold
+        fewer digits than a float (the user accepted judging at them), else the verdict."""
+        rounded = [p for p in self.results.judged_at() if "decimals:" in p]
+        if self.verdict != "aligned" or not rounded:
+            return self.verdict
+        return "aligned at " + " and ".join(sorted({_precision_words(p) for p in rounded}))
 
     @property
     def failures(self) -> list[MetricResult]:
@@ -331,7 +351,7 @@ class Comparison:
         and paths (data from the logs) are printable(): one metric is one line."""
         counts = self.results.counts()
         lines = [
-            f"verdict: {self.verdict} ("
+            f"verdict: {self.verdict_text()} ("
             + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
             + f")  a={self.a_source}  b={self.b_source}"
         ]
@@ -385,6 +405,18 @@ class Comparison:
         for p, names in self.results.judged_at().items():
             words = _precision_words(p)
             lines.append(f"judged at {words} (what the sources hold): {_names(names)}")
+        return lines + self.imprecise_lines()
+
+    def imprecise_lines(self, limit: int = 6) -> list[str]:
+        """One line per metric whose policy needs more digits than its sources hold."""
+        hit = [m for m in self.results.failures() if m.status == "imprecise"]
+        lines = [
+            f"{m.name}: source holds {_precision_words(m.precision)}; judged {m.policy} needs "
+            f"the full value: {ADVICE}"
+            for m in hit[:limit]
+        ]
+        if len(hit) > limit:
+            lines.append(f"... {len(hit) - limit} more metrics judged beyond their sources")
         return lines
 
 
@@ -393,6 +425,11 @@ def _precision_words(p: str) -> str:
     return " and ".join(
         f"{x.split(':')[1]} decimals" if x.startswith("decimals:") else x for x in p.split(",")
     )
+
+
+def _width(precision: str) -> str:
+    """The float type a precision's ULPs count in: its float width, else float64."""
+    return next((p for p in precision.split(",") if p in ("float32", "float16")), FLOAT64)
 
 
 def _names(names: list[str], limit: int = 6) -> str:
@@ -413,6 +450,32 @@ def _at_precision(x: np.ndarray, precision: str) -> tuple[np.ndarray, type]:
             n = int(part.split(":")[1])
             x = np.array([round(v, n) for v in x.tolist()], dtype=np.float64)
     return x, ulp_type
+
+
+def _float32_values(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether both sides' finite values are all exactly float32 and not all integers: a
+    float32 tensor's .item() logged as a Python float. Its ULPs are then counted in float32 (1,
+    not 2**29 per float32 step); the comparison itself is unchanged, the values being exact."""
+    v = np.concatenate([x[np.isfinite(x)], y[np.isfinite(y)]])
+    if not len(v) or (v == np.round(v)).all():
+        return False
+    with np.errstate(over="ignore"):
+        return bool((v.astype(np.float32).astype(np.float64) == v).all())
+
+
+def needs_full_value(policy: Policy) -> bool:
+    """Whether the policy judges some step exact: it then needs the value in full, which a
+    rounded source does not hold. ulp:, close: and ignore are tolerances the user chose; a
+    step policy without a fallback piece judges the steps no range holds exact."""
+    if policy.kind == "steps":
+        fallback = any(p.first is None and p.last is None for p in policy.pieces)
+        return not fallback or any(needs_full_value(p.policy) for p in policy.pieces)
+    return policy.kind == "exact"
+
+
+def _rounded(precision: str) -> bool:
+    """Whether a precision is a rounding to decimals (a float width is judged in its bits)."""
+    return "decimals:" in precision
 
 
 def _steps(steps: list[int], limit: int = 8) -> str:
@@ -457,7 +520,10 @@ def _compare_metric(
     pb: np.ndarray,
     allow_missing: bool,
     precision: str = FLOAT64,
+    imprecise: bool = False,
 ) -> MetricResult:
+    """One metric judged; imprecise: its policy needs more digits than its sources hold, so a
+    metric within it at every step is "imprecise", not "match"."""
     res = MetricResult(name=name, policy=str(policy), status="match", precision=precision)
     if policy.kind == "ignore":
         res.status = "ignored"
@@ -478,6 +544,9 @@ def _compare_metric(
     # Distances are 0 where the bits agree, so they are computed only where they do not: a
     # parity run is mostly equal values, and those then cost one comparison each.
     diff = np.flatnonzero(~same)
+    if ulp_type is np.float64 and len(diff) and _float32_values(x, y):
+        ulp_type = np.float32  # where values differ: equal ones have no distance to count
+    res.ulp_dtype = np.dtype(ulp_type).name
     every = len(diff) == len(x)  # then the whole arrays, not copies
     xd, yd = (x, y) if every else (x[diff], y[diff])
     ulp_d = ulp_distance(xd, yd, ulp_type)
@@ -522,6 +591,9 @@ def _compare_metric(
             notes.append(f"step {res.first_divergent_step} judged {res.first_divergent_policy}")
     elif res.missing_in_a or res.missing_in_b:
         res.status, res.ok = "missing", allow_missing
+    elif imprecise and res.steps_compared:
+        res.status, res.ok = "imprecise", False
+        notes.append(f"source holds {_precision_words(precision)}: {policy} needs the full value")
     for side, miss in (("a", res.missing_in_a), ("b", res.missing_in_b)):
         if miss:
             notes.append(f"missing in {side} at steps {_steps(miss)}")
@@ -626,6 +698,8 @@ def compare_frames(
     allow_missing: bool = False,
     allow_incomplete: bool = False,
     allow_skipped: bool = False,
+    at_source_precision: bool = False,
+    allow_nothing_compared: bool = False,
 ) -> Comparison:
     """Compare every metric of two canonical frames (see parity.readers) under its policy.
 
@@ -636,6 +710,11 @@ def compare_frames(
     a side whose reader skipped records raises SkippedRecordsError unless allow_skipped (no
     verdict from a partial read). Each metric is judged at the coarser precision of its two
     sources (attrs["precision"]): a float32 log in float32 bits and ULPs, a rounded one rounded.
+    A rounded source under a policy that judges a step exact (needs_full_value) gives verdict
+    "imprecise" (the source cannot tell 1 ULP apart), unless at_source_precision accepts
+    judging at its decimals. Values that are all exactly float32 count their ULPs in float32.
+    No metric judged at any step (every one ignored) raises NothingComparedError unless
+    allow_nothing_compared: "aligned" would say nothing.
 
     The frames are read as arrays once; the metrics equal at every step are told apart from the
     rest over all of them at once, and only the rest are judged one by one (_compare_metric).
@@ -666,8 +745,11 @@ def compare_frames(
     va, pa, ca = _side(a, steps_index, names, ka)
     vb, pb, cb = _side(b, steps_index, names, kb)
     which, distinct = resolve_all(names, policies)
-    ignored = np.array([p.kind == "ignore" for p in distinct])[which]
+    ignored = np.array([p.kind == "ignore" for p in distinct], dtype=bool)[which]
     precision = _precisions(a, b, names)
+    needs = np.array([needs_full_value(p) for p in distinct], dtype=bool)[which]
+    rounded = np.array([_rounded(t) for t in precision[1]], dtype=bool)[precision[0]]
+    imprecise = needs & rounded & ~ignored & (not at_source_precision)
 
     every = np.arange(len(names))
     ca, cb = every if ca is None else ca, every if cb is None else cb
@@ -684,6 +766,7 @@ def compare_frames(
         firsts[judged] = steps[first]
     lazy = ignored.copy()
     lazy[judged[clean]] = True
+    lazy &= ~imprecise  # a rounded source's metric is judged one by one, to say so
     status = np.where(ignored, _IGNORED, _MATCH).astype(np.int8)
     ok = np.ones(len(names), dtype=bool)
     built: list[MetricResult | None] = [None] * len(names)
@@ -700,15 +783,25 @@ def compare_frames(
             *cols,
             allow_missing,
             precision[1][precision[0][j]],
+            bool(imprecise[j]),
         )
         built[j], status[j], ok[j] = res, _ORDER[res.status], res.ok
+        counts[j] = res.steps_compared
     texts = [str(p) for p in distinct]
     results = MetricResults(names, built, status, ok, precision, (which, texts, counts, firsts))
     only_a = [int(s) for s in a.index.difference(b.index)]
     only_b = [int(s) for s in b.index.difference(a.index)]
-    failed = not ok.all() or bool((only_a or only_b) and not allow_missing)
+    imprecise_code = _ORDER["imprecise"]
+    failed = (~ok & (status != imprecise_code)).any() or bool(
+        (only_a or only_b) and not allow_missing
+    )
+    if not failed and not counts.any() and not allow_nothing_compared:
+        raise NothingComparedError(_nothing_compared(a, b, names, ignored))
+    verdict = (
+        "diverged" if failed else "imprecise" if (status == imprecise_code).any() else "aligned"
+    )
     return Comparison(
-        verdict="diverged" if failed else "aligned",
+        verdict=verdict,
         metrics=results,
         a_source=a.attrs.get("source"),
         b_source=b.attrs.get("source"),
@@ -716,6 +809,18 @@ def compare_frames(
         steps_only_in_b=only_b,
         reads={side: _read_info(frame, side) for side, frame in (("a", a), ("b", b))},
     )
+
+
+def _nothing_compared(a: pd.DataFrame, b: pd.DataFrame, names: list[str], ignored) -> str:
+    """The one line saying why no metric was judged at any step."""
+    sources = f"{a.attrs.get('source', 'a')} vs {b.attrs.get('source', 'b')}"
+    if len(names) and ignored.all():
+        why = f"every metric is ignored ({_names(names)})"
+    elif not len(names):
+        why = "neither side holds a metric"
+    else:
+        why = "no metric judged has a step on both sides"
+    return printable(f"{sources}: nothing compared: {why}; no verdict")
 
 
 def _read_info(frame: pd.DataFrame, side: str) -> dict[str, Any]:

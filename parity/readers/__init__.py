@@ -11,15 +11,28 @@ Installed packages add formats in the ``llm_parity.readers`` entry points, each 
     [project.entry-points."llm_parity.readers"]
     mylog = "mypkg.readers:FORMATS"
 
-They are asked after the specific built-in formats and before the generic ones. They load
-lazily, once per process, the first time every format is needed (detection, a name that is no
-built-in one): a package that fails to import then fails the reads that need it, with a
-one-line ``ReaderPluginError`` naming its entry point, never ``import parity.readers`` (the
-CLI imports it for every command), and a read of a built-in format by name never loads them.
-A format name given twice (by two entry points, or one and a built-in) is that error too.
-``REGISTRY`` (name -> Format) is strict: it raises that error. ``FORMATS`` (the names, for
-argparse's choices and messages) never raises: with a plugin broken it holds the built-in
-names and lets any name through its ``in``, so that the read itself says what is wrong.
+They are asked after every built-in format: a plugin never takes a path a built-in format
+claims unless the user names it (``--format NAME``), so a plugin that claims too much cannot
+turn a file of ours into its own reading of it. Where the built-in reader then refuses the
+path and a plugin claims it, the error says so and which ``--format`` to give. They load
+lazily, once per process, the first time a plugin is needed (a path no built-in claims, a
+name that is no built-in one): a package that fails to import then fails the reads that need
+it, with a one-line ``ReaderPluginError`` naming its entry point, never ``import
+parity.readers`` (the CLI imports it for every command), and a read of a built-in format
+never loads them. A format name given twice (by two entry points, or one and a built-in) is
+that error too. ``REGISTRY`` (name -> Format) is strict: it raises that error. ``FORMATS``
+(the names, for argparse's choices and messages) never raises: with a plugin broken it holds
+the built-in names and lets any name through its ``in``, so that the read itself says what is
+wrong.
+
+A plugin's code is the user's input, not the harness: an exception from its ``claims`` or
+``read`` (other than an ``InputError``, which already says what is wrong with the file), and a
+frame that breaks the contract (parity.readers.contract: a column of ``None``, a float index),
+are each a one-line ``ReaderPluginError`` naming the entry point, its module and the path (exit
+2), never an internal error and never a verdict. ``claims`` must answer within
+``CLAIMS_LIMIT_S``: it runs in a daemon thread that is abandoned, not killed (Python cannot
+kill a thread), when it does not; the error names the plugin, and the thread ends with the
+process. ``read`` has no limit (a big run takes long to read).
 
 A path that is no regular file or folder (a pipe, `<(zcat m.jsonl.gz)` i.e. /dev/fd/N, a named
 FIFO) can be read only once: ``read_metrics`` copies it whole into a temporary file (up to
@@ -30,12 +43,14 @@ alone; errors and attrs["source"] still name the path given. A FIFO no writer op
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import select
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
@@ -45,6 +60,7 @@ from pathlib import Path
 import pandas as pd
 
 from parity.errors import InputError
+from parity.readers.contract import frame_problem
 from parity.readers.frame import (
     DUPLICATE_RULES,
     HEAD_BYTES,
@@ -80,7 +96,8 @@ __all__ = [
 ]
 
 PLUGIN_GROUP = "llm_parity.readers"
-# detection order: specific formats first, then the plugins', then generic text last
+CLAIMS_LIMIT_S = 5.0  # how long a plugin's claims() may take to answer
+# detection order: specific formats first, then generic text, then the plugins'
 _SPECIFIC = (
     "hf",  # before tensorboard: HF's output_dir holds both, and trainer_state is float64
     "tensorboard",
@@ -140,10 +157,67 @@ def _formats_of(ep: EntryPoint) -> list[Format]:
     return items
 
 
+def _first_line(e: BaseException) -> str:
+    said = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {said}" if said else type(e).__name__
+
+
+def _claims_in_time(fmt: Format, who: str, path: Path, head: bytes | None) -> bool:
+    """A plugin's claims(path, head), in a daemon thread given CLAIMS_LIMIT_S to answer: a
+    thread cannot be killed, so one that does not answer is abandoned with an error."""
+    answer: list[object] = []
+
+    def ask() -> None:
+        try:
+            answer.append(bool(fmt.claims(path, head)))
+        except BaseException as e:  # handed to the caller's thread, said there
+            answer.append(e)
+
+    thread = threading.Thread(target=ask, name=f"parity-claims-{fmt.name}", daemon=True)
+    thread.start()
+    thread.join(CLAIMS_LIMIT_S)
+    if not answer:
+        raise ReaderPluginError(f"{who}: claims({path}) did not answer within "
+                                f"{CLAIMS_LIMIT_S:g} s")  # fmt: skip
+    if isinstance(answer[0], InputError | KeyboardInterrupt):
+        raise answer[0]
+    if isinstance(answer[0], BaseException):
+        raise ReaderPluginError(f"{who}: claims({path}) failed: {_first_line(answer[0])}")
+    return bool(answer[0])
+
+
+def _read_checked(fmt: Format, who: str, path: Path, options: ReadOptions) -> pd.DataFrame:
+    """A plugin's read(path, options), its failure and a frame that breaks the contract each
+    a ReaderPluginError naming the plugin and the path; an InputError of its own passes."""
+    try:
+        frame = fmt.read(path, options)
+    except InputError:
+        raise
+    except Exception as e:  # the plugin's own failure, said with its entry point
+        raise ReaderPluginError(f"{who}: read of {path} failed: {_first_line(e)}") from None
+    problem = frame_problem(frame, fmt.name)
+    if problem:
+        raise ReaderPluginError(f"{who}: read of {path} gave a frame against the reader "
+                                f"contract: {problem}")  # fmt: skip
+    return frame
+
+
+def _guarded(fmt: Format, ep: EntryPoint) -> Format:
+    """A plugin's Format whose claims is bounded in time and whose failures and frames are
+    checked, each error naming the entry point and its module."""
+    who = f"reader plugin {_entry(ep)}, format {fmt.name!r}"
+    return dataclasses.replace(
+        fmt,
+        claims=lambda path, head: _claims_in_time(fmt, who, path, head),
+        read=lambda path, options: _read_checked(fmt, who, path, options),
+    )
+
+
 @cache
 def _registry() -> dict[str, Format]:
-    """Every format in detection order: specific built-ins, plugins (by entry point name),
-    generic built-ins. Raises ReaderPluginError for a plugin that cannot be used."""
+    """Every format in detection order: specific built-ins, generic built-ins, then the
+    plugins' (by entry point name), guarded. Raises ReaderPluginError for a plugin that cannot
+    be used."""
     seen = {name: f"the built-in {origin}" for name, (_, origin) in _BUILTIN.items()}
     plugins: dict[str, Format] = {}
     for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: (e.name, e.value)):
@@ -152,11 +226,13 @@ def _registry() -> dict[str, Format]:
                 raise ReaderPluginError(f"reader format {fmt.name!r} is given twice: by entry "
                                         f"point {_entry(ep)} and by {seen[fmt.name]}")  # fmt: skip
             seen[fmt.name] = f"entry point {_entry(ep)}"
-            plugins[fmt.name] = fmt
-    out = {name: fmt for name, (fmt, _) in _BUILTIN_SPECIFIC.items()}
-    out.update(plugins)
-    out.update((name, fmt) for name, (fmt, _) in _BUILTIN_GENERIC.items())
-    return out
+            plugins[fmt.name] = _guarded(fmt, ep)
+    return {**{name: fmt for name, (fmt, _) in _BUILTIN.items()}, **plugins}
+
+
+def _plugins() -> list[Format]:
+    """The plugins' formats, guarded, in detection order (ReaderPluginError as _registry)."""
+    return [fmt for name, fmt in _registry().items() if name not in _BUILTIN]
 
 
 class _Registry(Mapping[str, Format]):
@@ -296,6 +372,33 @@ def _head(path: Path) -> bytes:
         raise MetricsError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
+def _claimant(p: Path, head: bytes | None) -> Format | None:
+    """The first format that claims ``p``: the built-in ones first, the plugins (loaded only
+    now) when none of them does."""
+    for fmt, _ in _BUILTIN.values():
+        if fmt.claims(p, head):
+            return fmt
+    for fmt in _plugins():
+        if fmt.claims(p, head):
+            return fmt
+    return None
+
+
+def _plugin_hint(p: Path) -> str:
+    """' (the reader plugin ... claims it too: give --format NAME)' where a plugin claims
+    ``p``, which a built-in format claimed first and refused; '' where none does (or none can
+    be loaded or asked: the built-in's error stands alone)."""
+    try:
+        head = None if p.is_dir() else _head(p)
+        names = [fmt.name for fmt in _plugins() if fmt.claims(p, head)]
+    except InputError:
+        return ""
+    if not names:
+        return ""
+    return (f" (the reader plugin format {names[0]!r} claims it too, after the built-in ones: "
+            f"give --format {names[0]} to read it so)")  # fmt: skip
+
+
 def detect(path: str | os.PathLike[str]) -> Format:
     """The format that claims ``path`` (a file or a run folder); a one-line error if none does.
 
@@ -307,9 +410,9 @@ def detect(path: str | os.PathLike[str]) -> Format:
     if p.is_dir():
         if (p / "metrics.jsonl").is_file():  # our run folder
             return REGISTRY["jsonl"]
-        for fmt in REGISTRY.values():
-            if fmt.claims(p, None):
-                return fmt
+        found = _claimant(p, None)
+        if found is not None:
+            return found
         raise MetricsError(
             f"{path}: folder has no metrics.jsonl, and no other run output this tool reads "
             "(TensorBoard events, a W&B run, mlruns/, trainer_state.json, metrics.csv); "
@@ -318,9 +421,9 @@ def detect(path: str | os.PathLike[str]) -> Format:
     head = _head(p)
     if not head.strip():
         raise MetricsError(f"{p}: no metrics records (empty file)")
-    for fmt in REGISTRY.values():
-        if fmt.claims(p, head):
-            return fmt
+    found = _claimant(p, head)
+    if found is not None:
+        return found
     raise MetricsError(
         f"{p}: unknown format: none of {', '.join(FORMATS)} (give --format to say which)"
     )
@@ -353,7 +456,7 @@ def read_metrics(
     with _readable(given) as p:
         try:
             return _named(_read(p, fmt, ReadOptions(run=run, duplicates=duplicates)), p, given)
-        except MetricsError as e:
+        except (MetricsError, ReaderPluginError) as e:
             if p == given:
                 raise
             raise type(e)(_as_given(str(e), p, given)) from None
@@ -369,6 +472,12 @@ def _read(p: Path, fmt: str | None, options: ReadOptions) -> pd.DataFrame:
             chosen = REGISTRY[fmt]
             if p.is_dir() and fmt == "jsonl" and not (p / "metrics.jsonl").is_file():
                 raise MetricsError(f"{p}: folder has no metrics.jsonl")
-        return chosen.read(p, options)
+        try:
+            return chosen.read(p, options)
+        except MetricsError as e:
+            hint = _plugin_hint(p) if fmt is None and chosen.name in _BUILTIN else ""
+            if not hint:
+                raise
+            raise type(e)(f"{e}{hint}") from None
     except RecursionError:
         raise MetricsError(f"{p}: cannot read: a value nested too deeply") from None

@@ -1,10 +1,11 @@
 """A CSV table with one `step` column and one column per metric (verl's CSV, ours to write).
 
-Values are float64 as Python's repr writes them; an empty cell is absent. Rows of one step merge
-(a sparse table gives `1,0.5,` and `1,,0.4`: loss and val_loss of step 1); a metric given twice
-at a step with other bits is a restarted or appended run: an error naming both lines, unless
---duplicates first|last. A number a float64 cannot hold (`1e999`, `1e-400`) and a last line
-without its newline (cut off) are skipped and counted.
+Values are float64 as Python's repr writes them (a column whose values all look rounded, e.g.
+`%.4f`, is read at its decimals: frame.rounded_places); an empty cell is absent. Rows of one
+step merge (a sparse table gives `1,0.5,` and `1,,0.4`: loss and val_loss of step 1); a metric
+given twice at a step with other bits is a restarted or appended run: an error naming both
+lines, unless --duplicates first|last. A number a float64 cannot hold (`1e999`, `1e-400`, an
+integer past 2**53) and a last line without its newline (cut off) are skipped and counted.
 """
 
 from __future__ import annotations
@@ -82,11 +83,19 @@ def _read(path: Path, options: ReadOptions):
         why = " (the last line has no newline: cut off)" if CUT_TAIL in log.skipped else ""
         raise fail(path, None, f"no metrics records{why}")
     values, present = cells.frames(path, options.duplicates, log)
-    return finish(values, present, source=path, fmt="csv", precision=FLOAT64, log=log)
+    return finish(values, present, source=path, fmt="csv", precision=FLOAT64, log=log, written=True)
 
 
 def _claims(path: Path, head: bytes | None) -> bool:
     return head is not None and path.suffix.lower() == ".csv"
 
 
-FORMATS = [Format("csv", _read, _claims, "a `.csv` file with a `step` column", FLOAT64)]
+FORMATS = [
+    Format(
+        "csv",
+        _read,
+        _claims,
+        "a `.csv` file with a `step` column",
+        "float64, or decimals(N) when every value looks rounded",
+    )
+]

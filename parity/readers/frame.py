@@ -10,7 +10,11 @@ Other attrs, set by ``finish`` for every reader:
 - "complete": True/False where the format marks a finished run (our jsonl's end record), else
   None;
 - "precision": {metric: "float64" | "float32" | "decimals:N"}, what the source can hold for that
-  metric. A float32 source is judged in float32 and a rounded one at its decimals (compare);
+  metric: float32 where the source says so (TensorBoard's simple_value), decimals:N where the
+  format rounds (Megatron's goldens) or where a text log's values all look rounded
+  (``rounded_places``: `finish(..., written=True)`). A float32 source is judged in float32; a
+  rounded one cannot be judged exact: compare's verdict "imprecise" unless the user accepts
+  judging at the source's decimals or gives a tolerance;
 - "skipped": [{"reason", "count", "where"}], the records the reader saw but could not use (a
   line that looks like a metric record and does not parse, a record without a step, a number a
   float64 cannot hold, a last line cut off: text.CUT_TAIL). compare refuses a side with skipped
@@ -20,9 +24,10 @@ Other attrs, set by ``finish`` for every reader:
 - "step_labels" (only where the source's steps are not integers, e.g. dllogger's
   `[epoch, iteration]`): {step: the source's own step}, so a table or an error can name it.
 
-A number a float64 cannot hold (`1e999`, read as inf; `1e-400`, a nonzero read as 0.0) is no
-value: every reader that parses numbers from text asks ``unfit`` and skips it, counted under
-``UNFIT``. Spelled infinities and NaN, and subnormals (1e-310), are values.
+A number a float64 cannot hold (`1e999`, read as inf; `1e-400`, a nonzero read as 0.0; an
+integer past 2**53 it would round, 9007199254740993 read as ...992) is no value: every reader
+that parses numbers from text asks ``unfit`` (``fit_number`` for parsed ones) and skips it,
+counted under ``UNFIT``. Spelled infinities and NaN, and subnormals (1e-310), are values.
 
 Errors are one line, and bounded: a MetricsError's message longer than ``MAX_MESSAGE``
 characters has the values it quotes elided with `...` (``clip_message``), however big they are,
@@ -124,18 +129,32 @@ def shown(value: object) -> str:
 
 # --- numbers a float64 cannot hold --------------------------------------------------------------
 
-UNFIT = "numbers a float64 cannot hold (a finite one read as inf, a nonzero one as 0)"
+UNFIT = (
+    "numbers a float64 cannot hold (a finite one read as inf, a nonzero one as 0, an integer "
+    "past 2**53 rounded)"
+)
 _EXPONENT = re.compile(r"[eE]")
+_INTEGER = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
+EXACT_INT = 2**53  # every integer up to it is a float64; past it, only some are
+
+
+def inexact_int(number: int, value: float) -> bool:
+    """Whether `value`, the float64 of the integer `number`, is another integer: past 2**53 a
+    counter 9007199254740993 reads as ...992, and two different counts would compare equal."""
+    return abs(number) > EXACT_INT and int(value) != number
 
 
 def unfit(text: str | bytes, value: float) -> bool:
     """Whether `value`, what a parser made of the decimal `text`, lost the number: a finite
-    literal that overflowed to +-inf (1e999), or a nonzero one that underflowed to 0.0
-    (1e-400). Spelled infinities (inf, Infinity) fit, and so do subnormals (1e-310)."""
-    if value != 0.0 and not math.isinf(value):
-        return False
+    literal that overflowed to +-inf (1e999), a nonzero one that underflowed to 0.0 (1e-400),
+    or an integer literal past 2**53 read as another integer (``inexact_int``). Spelled
+    infinities (inf, Infinity) fit, and so do subnormals (1e-310)."""
     if isinstance(text, bytes):
         text = text.decode("ascii", "replace")
+    if math.isfinite(value) and abs(value) >= EXACT_INT and _INTEGER.fullmatch(text):
+        return inexact_int(int(text), value)
+    if value != 0.0 and not math.isinf(value):
+        return False
     if value == 0.0:
         mantissa = _EXPONENT.split(text, 1)[0]
         return any(c.isdecimal() and int(c) != 0 for c in mantissa)
@@ -170,13 +189,16 @@ def text_float(text: str) -> float | None:
 
 def fit_number(value: object) -> float | None:
     """A parsed number (an int, a float, an Unfit) as float64; None when a float64 cannot hold
-    it: an Unfit, an integer beyond 1.8e308."""
+    it: an Unfit, an integer beyond 1.8e308, an integer past 2**53 it would round."""
     if isinstance(value, Unfit):
         return None
     try:
-        return float(value)  # type: ignore[arg-type]
+        number = float(value)  # type: ignore[arg-type]
     except OverflowError:
         return None
+    if isinstance(value, int) and inexact_int(value, number):
+        return None
+    return number
 
 
 def suspect(value: object) -> bool:
@@ -214,6 +236,77 @@ def coarser(p: str, q: str) -> str:
     if places:
         parts.append(decimals(min(places)))
     return ",".join(parts) or FLOAT64
+
+
+# --- values a writer rounded to a few decimals -------------------------------------------------
+
+MAX_ROUNDED_PLACES = 5  # more decimals than this is taken as a value written in full
+MIN_ROUNDED_PLACES = 3  # fewer is a mean of integers over 10 or 20 samples (123.45) as often
+MEAN_EVIDENCE = 10  # distinct values that, sharing a factor 2 or 5, show a mean, not a rounding
+
+
+def _places(x: np.ndarray) -> int | None:
+    """The fewest N (1..MAX_ROUNDED_PLACES) such that every value of `x` is the float64 of a
+    decimal with N places (its shortest repr has at most N decimals), else None. Exact: a
+    computed value one ULP off a short decimal (0.09000000000000001, 0.1 + 0.2) has no N."""
+    for n in range(1, MAX_ROUNDED_PLACES + 1):
+        scale = 10.0**n  # exact, and |x| * scale < 2**53: the nearest integer is found exactly
+        if (np.round(x * scale) / scale == x).all():
+            return n
+    return None
+
+
+def rounded_places(values: np.ndarray) -> int | None:
+    """N when a series looks written rounded to N decimals (`f"{loss:.4f}"`, `round(x, 4)`);
+    None when it holds its values in full.
+
+    A text log cannot say how it was written, so the values decide. Rounded at N when:
+    - every finite value is the float64 of a decimal with N places, N the fewest, 3 <= N <= 5
+      (``_places``; Python's repr of a computed float64 or of a float32 has 15-17 digits and
+      never is, unless it is a short binary fraction);
+    - a value witnesses it: a non-integer with 4 significant digits or more (trailing zeros
+      not counted) that no short binary fraction explains (1.003, 2.3456; not 0.3125 = 5/16,
+      not 0.1 beside 0.0001, not an lr of 0.0003);
+    - and the values are not a mean of integers over 40, 80, 125, ... samples: MEAN_EVIDENCE or
+      more distinct non-integers whose digits at N places are all even, or all multiples of 5
+      (123.475 = 4939/40 is 123475 thousandths, a multiple of 25). Values rounded to N places
+      share such a factor by chance only (2**-10 + 5**-10 for 10 values).
+    No text tells a short computed value from a rounded one below that: a constant lr of
+    0.06561, a mean over 40 samples logged fewer than 10 times, an accuracy over 1000 samples
+    read as rounded, and an exact policy on them gives "imprecise", never a false "aligned". A
+    log rounded to 1 or 2 decimals is not told from a mean over 10 or 20 samples (123.45), so
+    it is read as written."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    frac = np.unique(np.abs(x[x != np.round(x)]))  # the distinct non-integers
+    if not len(frac) or np.abs(x).max() >= 1e9:
+        return None
+    n = _places(x)
+    if n is None or n < MIN_ROUNDED_PLACES:
+        return None
+    units = np.round(frac * 10.0**n).astype(np.int64)  # each value in units of 10**-n
+    stripped = units.copy()
+    for _ in range(n):  # trailing zeros are no digits: 0.1 at 4 places is 1000, 1 digit
+        stripped = np.where(stripped % 10 == 0, stripped // 10, stripped)
+    dyadic = (frac * 65536.0) == np.round(frac * 65536.0)
+    if not (~dyadic & (stripped >= 1000)).any():
+        return None
+    if len(units) >= MEAN_EVIDENCE and ((units % 2 == 0).all() or (units % 5 == 0).all()):
+        return None
+    return n
+
+
+def infer_decimals(values: pd.DataFrame, precision: dict[str, str]) -> dict[str, str]:
+    """``precision`` with each float64 metric whose values look rounded (``rounded_places``)
+    at its decimals: a text source's rounding is part of what it holds."""
+    out = dict(precision)
+    for name in values.columns:
+        if out.get(str(name), FLOAT64) != FLOAT64:
+            continue
+        n = rounded_places(values[name].to_numpy(dtype=np.float64))
+        if n is not None:
+            out[str(name)] = decimals(n)
+    return out
 
 
 @dataclass
@@ -407,12 +500,17 @@ def finish(
     log: ReadLog | None = None,
     complete: bool | None = None,
     step_labels: dict[int, object] | None = None,
+    written: bool = False,
 ) -> pd.DataFrame:
-    """The read frame with the contract's attrs (see the module doc)."""
+    """The read frame with the contract's attrs (see the module doc). written: the values are
+    decimal text another program wrote, so a float64 metric whose values all look rounded is
+    read at its decimals (``infer_decimals``)."""
     if isinstance(precision, str):
         precision = {str(c): precision for c in values.columns}
     else:
         precision = {str(c): precision.get(str(c), FLOAT64) for c in values.columns}
+    if written:
+        precision = infer_decimals(values, precision)
     log = log or ReadLog()
     values.attrs.update(
         source=str(source),

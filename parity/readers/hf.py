@@ -31,8 +31,11 @@ to N decimals (what a rounding version writes), and float64 when one value has m
 version that does not round writes that). A value can only prove the writer did NOT round;
 an unrounded metric whose values all happen to be short (0.5, 2.0) is judged at N decimals,
 coarser than it could be: the safe side. Everything else is float64 (the JSON holds Python's
-repr of a float). A sibling `config.json`'s `transformers_version` could tell the version, but
-only for a PreTrainedModel and only for the run's last writer; the values are always there.
+repr of a float), unless its values all look rounded, as in any text log (frame.rounded_places:
+a log_history that a callback or script rounded, `round(x, 4)`; a Trainer's computed values,
+float32 grad norms, scheduled learning rates, do not look so). A sibling `config.json`'s
+`transformers_version` could tell the version, but only for a PreTrainedModel and only for the
+run's last writer; the values are always there.
 
 With `include_num_input_tokens_seen`, transformers 5.24 also puts `train_runtime` on every
 step's row; the summary row's repeat of a key its step already has is left out (noted).
@@ -231,6 +234,7 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         precision=precision,
         log=log,
         complete=True if complete else None,
+        written=True,
     )
 
 

@@ -1,7 +1,10 @@
 """Our run folder's metrics.jsonl, and verl's file logger (`{"step": N, "data": {...}}` lines).
 
-Both hold exact float64 (JSON numbers as Python's repr or orjson write them). Ours ends a
-complete run with `{"event": "end", "steps": N}`; a run without it is incomplete. verl's
+Both hold float64 (JSON numbers as Python's repr or orjson write them); a series whose values
+all look rounded to a few decimals is read at them (frame.rounded_places), except in the
+recorder's own file, which writes every float in full. Ours ends a complete run with
+`{"event": "end", "steps": N}`; a run without it is incomplete, and one whose end record claims
+more steps than the file holds is an error (a partial file). verl's
 FileLogger (verl/utils/tracking.py) writes every value of the step: numbers, but also strings or
 lists (left out, as its console logger leaves them out); 0.6 and 0.7 with json.dumps (`NaN`,
 `Infinity`), 0.9 with orjson, which writes NaN and +-inf all as null (read as NaN, noted).
@@ -98,6 +101,7 @@ def _read_json_lines(
     cells = Cells()
     log = log if log is not None else ReadLog()
     end_line: int | None = None
+    claimed = 0
     lines = text.split("\n")
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -121,7 +125,7 @@ def _read_json_lines(
         if fmt == "jsonl" and "event" in rec:
             if rec["event"] != "end" or set(rec) - {"event", "steps", "_meta"}:
                 raise fail(path, lineno, f"unknown event record: {line[:80]!r}")
-            step_of(path, lineno, rec.get("steps"))
+            claimed = step_of(path, lineno, rec.get("steps"))
             end_line = lineno
             continue
         if "step" not in rec:
@@ -152,7 +156,24 @@ def _read_json_lines(
                 log.skip(UNFIT, f"line {lineno} ({key!r})")
                 continue
             cells.add(group, key, got)
+    if end_line is not None:
+        _check_end(path, end_line, claimed, cells.steps)
     return cells, (end_line is not None) if fmt == "jsonl" else None
+
+
+def _check_end(path: Path, line: int, claimed: int, steps: list[int]) -> None:
+    """An end record claiming more steps than the file holds (by count and by the last step:
+    the recorder writes the last step logged) marks a partial file: lines lost or cut out. No
+    verdict comes from it, so it is an error naming both counts."""
+    held = len(set(steps))
+    last = max(steps, default=0)
+    if claimed > max(held, last):
+        raise fail(
+            path,
+            line,
+            f"the end record says {claimed} steps but the file holds {held} (last step "
+            f"{last}): a partial file, no verdict from it",
+        )
 
 
 # verl's FileLogger writes with orjson, which writes NaN, inf and -inf all as null
@@ -169,10 +190,17 @@ def _reader(fmt: str):
             raise fail(file, None, "no metrics records")
         values, present = cells.frames(file, options.duplicates, log)
         return finish(
-            values, present, source=file, fmt=fmt, precision=FLOAT64, log=log, complete=complete
-        )
+            values, present, source=file, fmt=fmt, precision=FLOAT64, log=log, complete=complete,
+            written=not _recorded(file, complete),
+        )  # fmt: skip
 
     return read
+
+
+def _recorded(file: Path, complete: bool | None) -> bool:
+    """Whether the file is the recorder's (an end record, or manifest.json beside it): it
+    writes every float as Python's repr, in full, so short values are what was logged."""
+    return complete is True or (file.parent / "manifest.json").is_file()
 
 
 def _first_record(head: bytes) -> Any:
@@ -210,6 +238,6 @@ FORMATS = [
         _reader("jsonl"),
         _claims_ours,
         "a run folder with `metrics.jsonl`, or JSON lines with `step` and the metrics",
-        FLOAT64,
+        "float64 (decimals(N) when every value looks rounded, not in the recorder's)",
     ),
 ]

@@ -201,7 +201,10 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         file = path
     log = ReadLog()
     values, present = _read_file(file, options.duplicates, log)
-    return finish(values, present, source=file, fmt="lightning-csv", precision=FLOAT64, log=log)
+    return finish(
+        values, present, source=file, fmt="lightning-csv", precision=FLOAT64, log=log,
+        written=True,
+    )  # fmt: skip
 
 
 def _is_lightning(file: Path, head: bytes | None = None) -> bool:

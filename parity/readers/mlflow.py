@@ -437,7 +437,9 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         raise fail(run.where, None, f"run {run.label()} has no metrics that read")
     values, present = frames(run.where, series, options.duplicates, log)
     done = None if run.status is None else run.status == "FINISHED"
-    return finish(values, present, source=run.where, fmt="mlflow", log=log, complete=done)
+    return finish(
+        values, present, source=run.where, fmt="mlflow", log=log, complete=done, written=True
+    )
 
 
 def _claims(path: Path, head: bytes | None) -> bool:

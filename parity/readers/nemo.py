@@ -232,6 +232,7 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         precision=FLOAT64,
         log=log,
         step_labels=labels,
+        written=True,
     )
 
 

@@ -13,7 +13,8 @@ starts at `step:` wherever it is, unless a name runs into it (`global_step:`, `t
 `train/step:`). A line that is a step line but does not parse is skipped and counted, never
 dropped in silence; so is a value a float64 cannot hold (`1e999`, `1e-400`: frame.UNFIT), and
 a last step line without its newline (cut off by a run still writing, or killed: a value cut
-mid-number still parses).
+mid-number still parses), even one cut before its values, down to the start of its `step:`
+(`ste` after a newline, a bar or a Ray prefix).
 
 Two readers with one meaning: a vectorised one (numpy finds the lines, pandas' C parser reads
 `key:float` tokens) for the usual log, and the line-by-line reference, which decides everything
@@ -56,6 +57,10 @@ from parity.readers.text import CUT_TAIL, cut_tail, read_bytes
 _NAME = "A-Za-z0-9_/.\\-"
 _STEP_LINE = re.compile(r"step:(?<![" + _NAME + r"]step:)([0-9]+) - (.*)", re.ASCII)
 _STEP_LINE_B = re.compile(rb"step:(?<![" + _NAME.encode() + rb"]step:)[0-9]+ - .*")
+# The start of a step line at the very end, cut before its first value (`ste`, `step:12 -`)
+_STEP_HEAD_B = re.compile(
+    rb"(?<![" + _NAME.encode() + rb"])s(?:t(?:e(?:p(?::(?:[0-9]+(?: -?)?)?)?)?)?)?\Z"
+)
 # Ray's log deduplication appends this to a line it saw on several actors
 _RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\].*$")
 # A Python warning another process wrote to the same stream (`2>&1`) before this line's newline:
@@ -473,13 +478,20 @@ def _console_slow(
     return values, present
 
 
+def _cut_step_line(raw: bytes, start: int) -> bool:
+    """Whether the last line (from `start`, without its newline) is a step line cut off: one
+    cut inside its values, or cut before them, so that only its start is left (`ste`,
+    `step:12 -`). Either way a step was being written; reading on would judge a step short."""
+    return bool(_STEP_LINE_B.search(raw, start) or _STEP_HEAD_B.search(raw, start))
+
+
 def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
     raw = read_bytes(path)
     if b"\r" in raw:
         raw = raw.replace(b"\r\n", b"\n")
     log = ReadLog()
     whole, cut = cut_tail(raw)
-    if cut is not None and _STEP_LINE_B.search(raw, len(whole)):  # a step line cut off
+    if cut is not None and _cut_step_line(raw, len(whole)):
         log.skip(CUT_TAIL, cut)
         raw = whole
         if _STEP_LINE_B.search(raw) is None:
@@ -490,7 +502,10 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         out = _console_slow(raw.decode("utf-8", errors="replace"), path, options.duplicates, log)
         precision = out[0].attrs.pop("precision", {})
     values, present = out
-    return finish(values, present, source=path, fmt="verl-console", precision=precision, log=log)
+    return finish(
+        values, present, source=path, fmt="verl-console", precision=precision, log=log,
+        written=True,
+    )  # fmt: skip
 
 
 def _claims(path: Path, head: bytes | None) -> bool:

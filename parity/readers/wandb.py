@@ -318,12 +318,12 @@ def read_log(raw: bytes, path: Path, options: ReadOptions) -> pd.DataFrame:
         for key, value in metrics.items():
             if _internal(key) or hf and key == HF_STEP:
                 continue
-            if isinstance(value, Unfit) or isinstance(value, int) and fit_number(value) is None:
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if whole and abs(value) < 2**1024 and float(value) != value:
+                log.skip(BIG_INT, where)  # past 2**53: a float64 would round it
+            elif isinstance(value, Unfit) or isinstance(value, int) and fit_number(value) is None:
                 log.skip(UNFIT, where)
-            elif isinstance(value, int) and not isinstance(value, bool):
-                if float(value) != value:
-                    log.skip(BIG_INT, where)
-                    continue
+            elif whole:
                 values[key] = float(value)
             elif isinstance(value, float):
                 values[key] = value
@@ -348,7 +348,7 @@ def read_log(raw: bytes, path: Path, options: ReadOptions) -> pd.DataFrame:
         raise fail(path, None, "no numeric history records")
     values, present = cells.frames(path, options.duplicates, log)
     done = exit_code == 0
-    return finish(values, present, source=path, fmt="wandb", log=log, complete=done)
+    return finish(values, present, source=path, fmt="wandb", log=log, complete=done, written=True)
 
 
 # --- run folders -------------------------------------------------------------------------------

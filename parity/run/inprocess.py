@@ -1,48 +1,55 @@
-"""Both sides of a pair in one torchrun launch: half the start-up, the same bits.
+"""Both sides of a pair in one torchrun launch: the start-up shared, the same bits by construction.
 
-Each rank runs the job modules one after the other, calling each module's `train(argv)` (the
-function its `__main__` hands to the lifecycle), and resets the process between them as a fresh
-launch would find it:
+Each rank is a warm process that imports the heavy libraries (PRELOAD: numpy, torch) once, then
+forks a fresh child per side, one after the other, before any job module is imported or any
+process group exists:
 
-    torchrun ... -m parity.run.inprocess [--mutants A,B] [--timing FILE] \\
+    torchrun ... -m parity.run.inprocess [--preload M,N] [--mutants A,B] [--timing FILE] \\
         -m worker.sft --trainer legacy --out runs/a --then -m worker.sft --trainer worker ...
 
-Reset between sides (`SideRunner`): the models of the side before are freed while the process
-group still exists (the group is kept and reused), modules of the job's packages imported by the
-side before are dropped so the next side imports them fresh (no module-level cache survives), and
-os.environ, sys.argv, the RNG states, torch's global flags and whether the garbage collector
-runs are restored to what they were before the first side. The job build re-applies
-determinism itself (worker.determinism.set_determinism). The same runner serves a warm pool
-(parity.run.pool).
+The child runs its side as `python -m MODULE ARGS` runs it (runpy, the interpreter's own exit),
+forms its process group on a rendezvous store of its own, and exits; the warm process waits for
+it and forks the next. So no state of any module, patch or process group can pass from one side
+to the next: each side is a new process, as in a launch of its own. A side that fails stops the
+rank, which exits as that side did. A side written `-m parity.run.mutants --mutants A -m MODULE
+...` gets its mutants in its own child only; `--mutants` applies a list to every side. Each child
+records the world it joined in a folder of its own (world/side-K), judged side by side. The same
+warm process serves a warm pool (parity.run.pool).
 
-Mutants: a side written `-m parity.run.mutants --mutants A -m MODULE ...` gets them applied to its
-fresh modules, and every function, method or class they replaced outside the job's packages is
-put back after it (`Patches`), so the two sides may carry different mutants. `--mutants` applies
-a list to every side.
+`--preload` (the jobs' spec key `preload`, e.g. the charcount presets' worker.boot) names modules
+the jobs import first thing; the warm process imports them, in order, before PRELOAD and before
+any fork, under the launch's environment, so a job finds them imported as a launch of its own
+has by then. One that fails to import ends the rank with one line naming it (exit 2), written
+to preload-error.txt beside the timing file (a pool: in its queue), which the harness raises as
+a SpecError: never skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import gc
 import importlib
 import json
 import os
-import random
+import runpy
+import signal
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from parity.run.world import WORLD_DIR_ENV
+
 if TYPE_CHECKING:
     from parity.run.job import Run
+    from parity.run.launch import LaunchResult
     from parity.spec import JobSpec, PairSpec
 
 SEPARATOR = "--then"
 FOLDER = "in-process"  # the launch's own folder in a pair folder: launcher.log, logs/, timing
+PRELOAD_ERROR = "preload-error.txt"  # a rank's one line when a module of --preload failed
 
 
 # --- harness side ---------------------------------------------------------------------------------
@@ -50,7 +57,7 @@ FOLDER = "in-process"  # the launch's own folder in a pair folder: launcher.log,
 
 def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
     """Why these two jobs cannot share one launch (one line), or None when they can."""
-    for name in ("world_size", "nnodes", "torchrun_args"):
+    for name in ("world_size", "nnodes", "torchrun_args", "preload"):
         va, vb = getattr(spec_a, name), getattr(spec_b, name)
         if va != vb:
             return f"in-process mode needs the same {name} on both sides ({va!r} vs {vb!r})"
@@ -69,8 +76,15 @@ def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
 
 def command(specs: Sequence[JobSpec], outs: Sequence[Path], timing: Path) -> list[str]:
     """Module args for torchrun that run every spec, in order, in one launch (a side with
-    mutants keeps its parity.run.mutants wrapper: they are applied to that side only)."""
+    mutants keeps its parity.run.mutants wrapper: they are applied to that side only); the
+    specs' one preload list imported first (SpecError if they differ: see `refusal`)."""
+    from parity.spec import SpecError
+
+    preloads = {tuple(spec.preload) for spec in specs}
+    if len(preloads) > 1:
+        raise SpecError(f"in-process mode needs one preload for every side, not {preloads}")
     args = ["-m", "parity.run.inprocess", "--timing", str(timing)]
+    args += preload_args(specs[0].preload) if specs else []
     for i, (spec, out) in enumerate(zip(specs, outs, strict=True)):
         args += ([SEPARATOR] if i else []) + spec.to_args(out)
     return args
@@ -115,17 +129,18 @@ def run_pair_in_process(
                 timeout_s=spec_a.timeout_s + spec_b.timeout_s,
                 torchrun_args=spec_a.torchrun_args,
                 on_tick=progress.tick,
-                expect_world=spec_a.world_size,
             )
         except BaseException:
             progress.close(interrupted=True)
             raise
         progress.close()
+    raise_preload_error(here)
+    _judge_sides(result, spec_a.world_size)
     frames = [None, None]
     if not result.ok:
         frames = [mark_teardown(result, d / "metrics.jsonl", since) for d in dirs]
         if not allow_teardown_failure or any(f is None for f in frames):
-            raise LaunchError(result, "in-process pair")
+            raise LaunchError(result, f"in-process pair, {_failed_side(timing)}")
     split = _split_seconds(timing, result.duration_s)
     runs = []
     for spec, d, seconds, frame in zip((spec_a, spec_b), dirs, split, frames, strict=True):
@@ -146,6 +161,47 @@ def alone_line(spec: JobSpec, out: Path) -> str:
     return f"# {shlex.join(alone)}"
 
 
+def preload_args(modules: Sequence[str]) -> list[str]:
+    """The warm process's flag for a spec's preload list ([] for none)."""
+    return ["--preload", ",".join(modules)] if modules else []
+
+
+def raise_preload_error(folder: Path) -> None:
+    """SpecError with a rank's line if a module of the preload failed to import there."""
+    from parity.spec import SpecError
+
+    try:
+        line = (folder / PRELOAD_ERROR).read_text(encoding="utf-8", errors="replace").strip()
+    except FileNotFoundError:
+        return
+    raise SpecError(line or f"a module of the preload failed to import ({folder})")
+
+
+def _judge_sides(result: LaunchResult, world_size: int) -> None:
+    """Fail the launch for the first side whose children did not form the world asked for
+    (each side's children record theirs under world/side-K; the warm ranks join none)."""
+    from parity.run import world
+
+    for k, label in enumerate("AB"):
+        line = world.judge(result.world_dir / f"side-{k}", world_size)
+        if line and result.returncode == 0:
+            result.set_fault("world", f"side {label}: {line}")
+
+
+def _failed_side(timing: Path) -> str:
+    """Which side failed: the first that some rank saw fail, or else never saw end (each rank's
+    warm process writes the sides it ended: timing.rank<R>.json beside timing.json)."""
+    ended = []
+    for path in sorted(timing.parent.glob(f"{timing.stem}.rank*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            ended.append([int(side["exitcode"]) for side in json.loads(path.read_text())["sides"]])
+    if not ended:
+        return "before either side ended"
+    failed = [codes.index(next(c for c in codes if c)) for codes in ended if any(codes)]
+    k = min(failed) if failed else min(len(codes) for codes in ended)
+    return "side A" if k == 0 else "side B (after A)" if k == 1 else "after both sides"
+
+
 def _split_seconds(timing: Path, total: float) -> tuple[float, float]:
     """The launch's wall time as (A with the start-up, B): what each side added to it."""
     try:
@@ -164,99 +220,152 @@ def _write_text(path: Path, text: str) -> None:
 
 # --- rank side ------------------------------------------------------------------------------------
 
-
-@dataclasses.dataclass
-class _Baseline:
-    """Process-wide state a job may change, as it was before the first side."""
-
-    environ: dict[str, str]
-    argv: list[str]
-    python_rng: Any
-    numpy_rng: Any
-    torch_rng: Any
-    torch_flags: dict[str, Any]
-    gc_enabled: bool  # a job may turn the collector off for its start-up (worker.entry)
-
-    @classmethod
-    def take(cls) -> _Baseline:
-        import numpy as np
-        import torch
-
-        return cls(
-            dict(os.environ),
-            list(sys.argv),
-            random.getstate(),
-            np.random.get_state(),
-            torch.get_rng_state(),
-            _torch_flags(),
-            gc.isenabled(),
-        )
-
-    def restore(self) -> None:
-        import numpy as np
-        import torch
-
-        for key in set(os.environ) - set(self.environ):
-            del os.environ[key]
-        os.environ.update(self.environ)
-        sys.argv[:] = self.argv
-        random.setstate(self.python_rng)
-        np.random.set_state(self.numpy_rng)
-        torch.set_rng_state(self.torch_rng)
-        _set_torch_flags(self.torch_flags)
-        (gc.enable if self.gc_enabled else gc.disable)()
-        if "torch._dynamo" in sys.modules:
-            torch._dynamo.reset()  # compiled graphs hold guards on the freed modules
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+#: imported once by the warm process, before any job: much of a launch's start-up. Only numpy and
+#: torch (with the distributed parts jobs use): their import starts no thread under a launch's
+#: OMP_NUM_THREADS=1, and reads the environment a launch gives, which no job's code has changed
+#: yet. What else a job imports first (transformers, after HF_* defaults of its own) comes
+#: through its own preload list, which goes before these
+PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch.distributed.tensor")
+_STORE_KEY = "parity-fork/{name}/port"  # in torchrun's agent store: where a side's store listens
+_kept: list[Any] = []  # the side's own store, alive as long as the child
 
 
-def _torch_flags() -> dict[str, Any]:
-    import torch
+class _InChild(BaseException):
+    """Raised in a freshly forked child: unwinds the warm process's frames up to `main`, which
+    then runs the job as the interpreter runs `python -m MODULE` (a BaseException, so that no
+    handler of the warm process takes it)."""
 
-    return {
-        "default_dtype": torch.get_default_dtype(),
-        "num_threads": torch.get_num_threads(),
-        "grad_enabled": torch.is_grad_enabled(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "anomaly": torch.is_anomaly_enabled(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-    }
+    def __init__(self, module: str, args: list[str]):
+        super().__init__(module)
+        self.module, self.args = module, args
 
 
-def _set_torch_flags(flags: dict[str, Any]) -> None:
-    import torch
+def preload(modules: Sequence[str] = (), report: Path | None = None) -> None:
+    """Import the job's own `modules` in order, then PRELOAD, in the warm process; nothing is
+    run on them (no op, no thread pool, no process group), so forking afterwards is safe.
 
-    torch.set_default_dtype(flags["default_dtype"])
-    if torch.get_num_threads() != flags["num_threads"]:
-        torch.set_num_threads(flags["num_threads"])
-    torch.set_grad_enabled(flags["grad_enabled"])
-    torch.use_deterministic_algorithms(
-        flags["deterministic"], warn_only=flags["deterministic_warn_only"]
+    PRELOAD is a convenience (a module missing is left to the job); `modules` the job's list:
+    one that fails ends this rank with its one line on stderr and in `report`, exit 2.
+    """
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever its import raised
+            _preload_failed(name, e, report)
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def _preload_failed(name: str, error: BaseException, report: Path | None) -> NoReturn:
+    """Say which module failed and how, in one line (stderr, report/PRELOAD_ERROR); exit 2."""
+    from parity.files import write_text_atomic
+
+    said = str(error).strip().splitlines()
+    line = f"preload: cannot import {name!r}: {type(error).__name__}" + (
+        f": {said[0]}" if said else ""
     )
-    torch.autograd.set_detect_anomaly(flags["anomaly"])
-    torch.set_float32_matmul_precision(flags["matmul_precision"])  # before the tf32 flags
-    torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_tf32"]
-    torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
-    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
-    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    if report is not None:
+        with contextlib.suppress(OSError):
+            write_text_atomic(report / PRELOAD_ERROR, line + "\n")
+    print(f"parity: error: {line}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def run_forked(module: str, args: list[str], name: str, logs: Path | None = None) -> dict[str, Any]:
+    """Run `-m MODULE ARGS` in a fresh child of this warm process and wait for it; its record
+    (module, args, seconds, exitcode: negative for a signal).
+
+    The child is a new process of its own: nothing of an earlier job (a module's state, a
+    patch, a process group) can reach it. `name` keys its rendezvous store and world records
+    (side-0, job-0003); `logs`: its stdout and stderr go to logs/std*.log instead of the rank's.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _become_job(name, logs)
+        raise _InChild(module, args)
+    try:
+        _, status = os.waitpid(pid, 0)
+    except BaseException:  # this process is going: its child goes first
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise
+    code = os.waitstatus_to_exitcode(status)
+    return {"module": module, "args": args, "seconds": time.monotonic() - start, "exitcode": code}
+
+
+def _become_job(name: str, logs: Path | None) -> None:
+    """In the child: die with the warm process, its own logs, world record and store."""
+    _die_with_parent()
+    if logs is not None:
+        _logs_to(logs)
+    hook = sys.modules.get("sitecustomize")
+    world_dir = os.environ.get(WORLD_DIR_ENV)
+    if world_dir and callable(getattr(hook, "fork_record", None)):
+        hook.fork_record(os.path.join(world_dir, name))
+    _own_store(name)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this child when the warm process dies (Linux prctl), however it dies."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request
+        os._exit(1)
+
+
+def _logs_to(folder: Path) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) into folder/std*.log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for fd, file in ((1, "stdout.log"), (2, "stderr.log")):
+        target = os.open(folder / file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _own_store(name: str) -> None:
+    """A rendezvous store of this side's own, as torchrun gives each restart a new one: the job's
+    process group then forms there, never on keys an earlier side left in the agent's store.
+    Rank 0 listens (on a port the system picks) and says where in the agent's store; the job's
+    own rank-0 store shares that server (multi-tenant). Without torchrun's variables: nothing."""
+    if "MASTER_PORT" not in os.environ or "RANK" not in os.environ:
+        return
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    addr, rank = os.environ["MASTER_ADDR"], int(os.environ["RANK"])
+    world, timeout = int(os.environ["WORLD_SIZE"]), timedelta(minutes=5)
+    agent = TCPStore(addr, int(os.environ["MASTER_PORT"]), world, False, timeout)
+    key = _STORE_KEY.format(name=name)
+    if rank == 0:
+        own = TCPStore(addr, 0, world, True, timeout, wait_for_workers=False, multi_tenant=True)
+        _kept.append(own)
+        agent.set(key, str(own.port))
+    port = int(agent.get(key))
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     usage = (
-        "usage: python -m parity.run.inprocess [--mutants A,B] [--catalogue M] [--timing FILE] "
+        "usage: python -m parity.run.inprocess [--preload M,N] [--mutants A,B] [--catalogue M] "
+        "[--timing FILE] "
         f"-m MODULE ARGS... {SEPARATOR} -m MODULE ARGS..."
     )
     if "-m" not in argv:
         raise SystemExit(usage)
     split = argv.index("-m")
     parser = argparse.ArgumentParser(prog="python -m parity.run.inprocess", usage=usage)
+    parser.add_argument("--preload", type=_modules, default=[])
     parser.add_argument("--mutants", default="")
     parser.add_argument("--catalogue", default=None)  # default: every registered catalogue
     parser.add_argument("--timing", type=Path, default=None)
@@ -272,218 +381,68 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[st
     return opts, sides
 
 
-def _train_function(module: str) -> tuple[Callable[[list[str]], Any], str]:
-    mod = importlib.import_module(module)
-    train = getattr(mod, "train", None)
-    if not callable(train):
-        raise SystemExit(f"error: in-process mode needs {module}.train(argv); run it separately")
-    return train, getattr(mod, "__file__", None) or module
-
-
-def _purge(packages: set[str], keep: set[str]) -> None:
-    """Drop the job packages' modules imported since `keep`, so the next side imports them anew."""
-    for name in [n for n in sys.modules if n not in keep]:
-        if name.partition(".")[0] in packages:
-            del sys.modules[name]
-    importlib.invalidate_caches()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _unwrap_mutants(module: str, args: list[str]) -> tuple[str, list[str], list[str], str | None]:
-    """(module, args, mutants, catalogue) of a side, `-m parity.run.mutants ... -m M ARGS` unwrapped
-    (catalogue None: the mutants are looked up in every registered one)."""
-    if module != "parity.run.mutants":
-        return module, args, [], None
-    if "-m" not in args or args.index("-m") + 1 >= len(args):
-        raise SystemExit(f"error: parity.run.mutants needs -m MODULE; got {args}")
-    split = args.index("-m")
-    parser = argparse.ArgumentParser(prog="python -m parity.run.mutants")
-    parser.add_argument("--mutants", default="")
-    parser.add_argument("--catalogue", default=None)
-    opts = parser.parse_args(args[:split])
-    mutants = [n for n in opts.mutants.split(",") if n]
-    return args[split + 1], args[split + 2 :], mutants, opts.catalogue
-
-
-def _catalogues_of(mutants: list[str], catalogue: str | None) -> set[str]:
-    """The catalogue modules the mutants come from (an unknown one: SystemExit, as the job's)."""
-    from parity.tasks import TaskError, find_mutants
-
-    try:
-        return {home for home, _ in find_mutants(mutants, catalogue).values()} if mutants else set()
-    except TaskError as e:
-        raise SystemExit(f"error: {e}") from None
-
-
-def _is_code(value: Any) -> bool:
-    """What a monkeypatch replaces: functions, methods, classes and their descriptors.
-
-    Data (counters, registries, the process group's own state) is left alone, since jobs change
-    it legitimately and putting it back would break the process group.
-    """
-    import functools
-    import inspect
-
-    kinds = (type, staticmethod, classmethod, property, functools.partial)
-    return inspect.isroutine(value) or isinstance(value, kinds)
-
-
-def _defined_in(value: Any) -> str:
-    """The module that defined a function, method or class (through its descriptor)."""
-    import functools
-
-    for attr in ("__func__", "fget", "func"):  # staticmethod/classmethod, property, partial
-        if isinstance(value, staticmethod | classmethod | property | functools.partial):
-            value = getattr(value, attr, value)
-    return str(getattr(value, "__module__", "") or "")
-
-
-class Patches:
-    """The code attributes of every loaded module and its classes, to undo a side's mutants.
-
-    A mutant is a monkeypatch; the modules of the job's own packages are dropped after the side
-    anyway, so this covers what a mutant replaces elsewhere (torch's DistributedSampler, for
-    one). `undo(catalogue)` puts back every function, method or class that now holds code defined
-    in the catalogue module, and names it. Only those: a module imported during the side may
-    rightly change an older class (torch does at import), and that must stay.
-    """
-
-    def __init__(self, skip: set[str]):
-        self.skip = skip
-        self.modules: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-        self.classes: list[tuple[type, dict[str, Any]]] = []
-        with warnings.catch_warnings():  # touching deprecated module attributes warns
-            warnings.simplefilter("ignore")
-            for name, mod in list(sys.modules.items()):
-                namespace = getattr(mod, "__dict__", None)
-                if name.partition(".")[0] in skip or not isinstance(namespace, dict):
-                    continue
-                self.modules.append((name, namespace, self._code(namespace)))
-                for value in list(namespace.values()):
-                    if isinstance(value, type) and value.__module__ == name:
-                        self.classes.append((value, self._code(value.__dict__)))
-
-    @staticmethod
-    def _code(namespace) -> dict[str, Any]:
-        return {k: v for k, v in list(namespace.items()) if _is_code(v)}
-
-    def undo(self, catalogue: str) -> list[str]:
-        """Restore what now holds code from `catalogue`; the dotted names put back."""
-        undone = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for name, namespace, before in self.modules:
-                for key in self._patched(namespace, before, catalogue):
-                    undone.append(f"{name}.{key}")
-                    if key in before:
-                        namespace[key] = before[key]
-                    else:
-                        del namespace[key]
-            for cls, before in self.classes:
-                for key in self._patched(cls.__dict__, before, catalogue):
-                    undone.append(f"{cls.__module__}.{cls.__qualname__}.{key}")
-                    if key in before:
-                        setattr(cls, key, before[key])
-                    else:
-                        delattr(cls, key)
-        return undone
-
-    def _patched(self, namespace, before: dict[str, Any], catalogue: str) -> list[str]:
-        now = self._code(namespace)
-        return [k for k, v in now.items() if v is not before.get(k) and _defined_in(v) == catalogue]
-
-
-class SideRunner:
-    """Runs job sides one after another in this rank process, each as a fresh launch finds it.
-
-    Before every side but the first: the job packages' modules are dropped and the baseline
-    (environment, argv, RNG states, torch's flags, the collector on or off) restored. A side's
-    mutants are applied to the fresh modules and undone after it (`Patches`), so sides may
-    carry different mutants.
-    """
-
-    def __init__(self) -> None:
-        self.baseline = _Baseline.take()
-        self.keep = set(sys.modules)
-        self.packages: set[str] = set()
-        self.sides = 0
-
-    def run(self, module: str, args: list[str]) -> dict[str, Any]:
-        """Run one side (`-m MODULE ARGS`, or parity.run.mutants wrapping it); its timing record."""
-        from parity.run.mutants import apply_mutants
-
-        module, args, mutants, catalogue = _unwrap_mutants(module, args)
-        homes = _catalogues_of(mutants, catalogue)
-        self.packages |= {name.partition(".")[0] for name in (module, *homes)}
-        if self.sides:
-            _purge(self.packages, self.keep)
-            self.baseline.restore()
-        self.sides += 1
-        patches = Patches(skip=self.packages) if mutants else None
-        start = time.monotonic()
-        if mutants:
-            apply_mutants(mutants, catalogue)
-        train, file = _train_function(module)
-        sys.argv[:] = [file, *args]  # what runpy gives a `-m MODULE` run
-        train(args)
-        del train
-        # free this side's models while the process group exists; a job may have frozen them
-        # (worker.entry freezes its start-up's objects), and frozen objects are never collected
-        gc.unfreeze()
-        gc.collect()
-        _barrier()
-        seconds = time.monotonic() - start
-        undone = [name for home in sorted(homes) for name in patches.undo(home)] if patches else []
-        return {"module": module, "args": args, "mutants": mutants, "seconds": seconds,
-                "undone": undone}  # fmt: skip
-
-
-def finish_distributed() -> None:
-    """Barrier, then destroy the process group the sides shared (a bare destroy aborts some
-    multi-rank runs on CPU at exit)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+def _modules(text: str) -> list[str]:
+    """--preload's value: module names, comma-separated."""
+    return [name for name in text.split(",") if name]
 
 
 def _run(argv: list[str]) -> int:
+    """Each side in a child of its own, one after the other; stop at the first that fails,
+    exiting as it did (the launch then names this rank, whose log holds the side's)."""
     opts, sides = _parse(argv)
     if opts.mutants:  # applies to every side: wrap each in parity.run.mutants
         wrap = ["--mutants", opts.mutants]
         wrap += ["--catalogue", opts.catalogue] if opts.catalogue else []
         sides = [("parity.run.mutants", [*wrap, "-m", m, *a]) for m, a in sides]
-    runner = SideRunner()
-    timings = [runner.run(module, args) for module, args in sides]
-    if opts.timing is not None and int(os.environ.get("RANK", "0")) == 0:
-        from parity.files import write_json_atomic
-
-        write_json_atomic(opts.timing, {"sides": timings})
-    finish_distributed()
+    preload(opts.preload, opts.timing.parent if opts.timing is not None else None)
+    timings: list[dict[str, Any]] = []
+    for k, (module, args) in enumerate(sides):
+        timings.append(run_forked(module, args, f"side-{k}"))
+        if opts.timing is not None:
+            _write_timing(opts.timing, timings)
+        if timings[-1]["exitcode"]:
+            return timings[-1]["exitcode"]
     return 0
 
 
-def run_as_rank(fn: Callable[[list[str]], int], argv: list[str] | None) -> NoReturn:
-    """`fn(argv)` as a torchrun rank (its traceback reaches torchrun's summary through
-    `record`), then exit without interpreter teardown, as a job does."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+def _write_timing(timing: Path, sides: list[dict[str, Any]]) -> None:
+    """The sides this rank ended, in timing.rank<R>.json; rank 0's also in timing.json."""
+    from parity.files import write_json_atomic
 
-    code = record(fn)(list(sys.argv[1:] if argv is None else argv))
+    rank = int(os.environ.get("RANK", "0"))
+    write_json_atomic(timing.with_name(f"{timing.stem}.rank{rank}.json"), {"sides": sides})
+    if rank == 0:
+        write_json_atomic(timing, {"sides": sides})
+
+
+def exit_as(code: int) -> NoReturn:
+    """Exit as a child did: its exit code, or killed by its signal."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code & 0xFF if code > 0 else 1 if code < 0 else 0)
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
-    """Run every side as a torchrun rank."""
-    run_as_rank(_run, argv)
+def run_warm(fn: Callable[[list[str]], int], argv: list[str] | None) -> None:
+    """`fn(argv)` as the warm process of a torchrun rank, which exits as its failed child did
+    (or 0); a forked child returns from here and runs its job as `python -m MODULE` runs, its
+    exit (handlers, finalisation, the exit code of an exception) the interpreter's own."""
+    try:
+        code = fn(list(sys.argv[1:] if argv is None else argv))
+    except _InChild as child:
+        job = [child.module, *child.args]
+    else:
+        exit_as(code)
+    # out of the handler: the job runs with no exception of ours as its context
+    sys.argv[:] = job
+    runpy.run_module(job[0], run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run every side in turn as this torchrun rank."""
+    run_warm(_run, argv)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def launch_spec(
     """Launch ``spec`` with ``out`` as its output folder: the one way every job is started.
 
     ``out`` and its launch folder (parity.files.launch_dir: launcher.log, rank logs, the world
-    records) are made fresh and empty, each removed first only if this harness made it
+    records) are made new and empty; either already there is refused, never removed
     (parity.outdir). The job runs with the spec's env (then ``env``: PYTHONPATH for a worktree),
     one torchrun per node, on this machine or, with a Slurm launcher (``spec.launcher``), as a
     step of the held allocation (``holding``; parity.run.slurm); where they ran is written as the

@@ -6,6 +6,13 @@ torchrun (torch 2.13) starts every worker with ``start_new_session=True``, so wo
 torchrun's process group. Killing the group alone would orphan them when torchrun itself is
 SIGKILLed; every process of a launch therefore also carries ``PARITY_LAUNCH_ID`` in its
 environment, and cleanup kills whatever still carries it.
+
+A job never outlives the harness, SIGKILL of the harness included: the process it starts
+(torchrun, or the plain job) is SIGKILLed by the kernel when the harness dies (PR_SET_PDEATHSIG),
+torchrun's ranks when torchrun dies (the start-up hook, parity/run/sitehook), and a watchdog
+process per launch (parity/run/watchdog.py) kills, when the harness ends, every process of the
+launch it saw: those carrying the launch id and every descendant, a helper started with an empty
+environment in a session of its own included.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from parity.run.signals import deferred
 from parity.spec import masked_env
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
+#: what the start-up hook sets in a launch's processes (its torchrun's pid, a rank's child): not
+#: passed on from a harness that itself runs inside a launch
+_HOOK_STATE_ENV = ("PARITY_LAUNCHER_PID", "PARITY_WORLD_CHILD")
+_WATCHDOG = Path(__file__).resolve().parent / "watchdog.py"
+_PR_SET_PDEATHSIG = 1
 
 # torchrun arguments that configure a (multi-node) rendezvous: with these, no --standalone.
 _RDZV_FLAGS = (
@@ -411,6 +423,8 @@ def job_env(world_dir: Path, env: Mapping[str, str], launch_id: str) -> dict[str
     one OpenMP thread unless set, unbuffered output, and the launch id every process of the
     launch carries (cleanup finds them by it)."""
     full_env = world.launch_env(world_dir, dict(env))
+    for inherited in _HOOK_STATE_ENV:  # this launch's hook finds its own torchrun and ranks
+        full_env.pop(inherited, None)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[LAUNCH_ID_ENV] = launch_id
@@ -465,13 +479,15 @@ def _supervise(
     timed_out = False
     start = time.monotonic()
     deadline, exit_by = start + timeout_s, None
-    proc = None
+    proc = watchdog = None
     try:
         with deferred():  # a signal (parity.run.signals) waits for `proc`, which it then stops
             proc = subprocess.Popen(
                 cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                 start_new_session=True, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent(os.getpid()),
             )  # fmt: skip
+            watchdog = _start_watchdog(launch_id, proc.pid)
         while True:
             try:
                 proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
@@ -494,12 +510,61 @@ def _supervise(
                 _terminate(proc, launch_id, kill_grace_s)
             if proc is not None:
                 _kill_leftovers(proc.pid, launch_id)
+            if watchdog is not None:
+                _stop_watchdog(*watchdog)
     assert proc is not None
     ended = _Ended(proc.returncode, timed_out, time.monotonic() - start, timeout_s, launch_id)
     if timed_out and deadline == exit_by:
         ended.timeout_s = round(exit_by - start, 1)
         ended.hung_after_s = exit_grace_s
     return ended
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """For Popen's preexec_fn (Linux): the child is SIGKILLed when ``parent`` dies, and ends at
+    once if it already has. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the harness died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def _start_watchdog(launch_id: str, root: int) -> tuple[subprocess.Popen, int] | None:
+    """The launch's watchdog (parity/run/watchdog.py) and the write end of its pipe: it kills
+    the launch's processes once that end closes, when ``_stop_watchdog`` closes it or when this
+    process dies. None where it cannot start (the harness's own cleanup still runs)."""
+    read_end, write_end = os.pipe()
+    try:
+        watchdog = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(_WATCHDOG), launch_id, str(root)],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    except OSError:
+        os.close(write_end)
+        return None
+    finally:
+        os.close(read_end)
+    return watchdog, write_end
+
+
+def _stop_watchdog(watchdog: subprocess.Popen, write_end: int) -> None:
+    """Close the watchdog's pipe: it kills what of the launch is still alive (a helper without
+    the launch id, in a session of its own) and exits; wait for it."""
+    os.close(write_end)
+    try:
+        watchdog.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def reproduce_line(cmd: Sequence[str], env: Mapping[str, str]) -> str:

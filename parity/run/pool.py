@@ -8,31 +8,30 @@ jobs of the same world size. The pytest plugin sends every job it can through a 
     run = pools.run(spec, out)   # a Run, as run_job gives it; None: launch this one alone
     pools.close()
 
-Each job is one side of parity.run.inprocess's `SideRunner` (modules dropped, process state and
-flags restored, the job's mutants undone after it), so its metrics are bitwise those of a launch
-of its own (tests/run/test_pool.py). Jobs reach the ranks as files in the pool's queue folder:
-`job-0000.json`, written atomically, which every rank reads; rank 0 answers `done-0000.json`
-after the job's closing barrier. No collective of our own.
+Each rank is a warm process (parity.run.inprocess): torch, numpy and the jobs' `preload` modules
+imported once, then a fresh child forked per job, which runs it as `python -m` would and exits,
+so nothing of one job reaches the next and its metrics are bitwise those of a launch of its own
+(tests/run/test_pool.py). A pool's ranks start before its jobs are known, so pools are kept by
+preload list too: a job only ever runs in a pool that imported its own list, and a module of
+it that fails to import is raised (SpecError), not skipped. Jobs
+reach the ranks as files in the pool's queue folder: `job-0000.json`, written atomically, which
+every rank reads; each rank answers `done-0000.rank<R>.json` once its child ended.
 
-A job that fails takes its pool down (a rank that raised cannot be trusted to be in step with the
-others): `run` returns None and the caller launches the job alone, which gives the faithful
-report; the next job starts a new pool. Ranks exit on their own once the harness process is
-gone, so a killed pytest leaves no pool behind.
+A job that fails takes its pool down: `run` returns None and the caller launches the job alone,
+which gives the faithful report; the next job starts a new pool. Ranks exit on their own once
+the harness process is gone, so a killed pytest leaves no pool behind.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import sys
 import threading
 import time
-import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from parity.run.job import Run
@@ -47,8 +46,13 @@ def _job_file(queue: Path, n: int) -> Path:
     return queue / f"job-{n:04d}.json"
 
 
-def _done_file(queue: Path, n: int) -> Path:
-    return queue / f"done-{n:04d}.json"
+def _done_file(queue: Path, n: int, rank: int) -> Path:
+    return queue / f"done-{n:04d}.rank{rank}.json"
+
+
+def _job_name(n: int) -> str:
+    """Job n's name: its world records' folder (world/job-NNNN) and its rendezvous store's key."""
+    return f"job-{n:04d}"
 
 
 # --- harness side ---------------------------------------------------------------------------------
@@ -61,10 +65,17 @@ class _Stopped(Exception):
 class Pool:
     """One warm launch of `nproc` ranks; `run` hands it a job and waits for that job alone."""
 
-    def __init__(self, folder: Path, nproc: int, torchrun_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        folder: Path,
+        nproc: int,
+        torchrun_args: Sequence[str] = (),
+        preload: Sequence[str] = (),
+    ):
         self.folder = Path(folder).resolve()
         self.queue = self.folder / "queue"
         self.nproc, self.torchrun_args = nproc, list(torchrun_args)
+        self.preload = list(preload)  # what its ranks import before forking a job
         self.jobs = 0
         self.result: LaunchResult | None = None  # the launch's, once it ended
         self._stop = threading.Event()
@@ -76,9 +87,11 @@ class Pool:
         threading.Thread(target=self._launch, name=f"pool-{nproc}", daemon=True).start()
 
     def _launch(self) -> None:
+        from parity.run.inprocess import preload_args
         from parity.run.launch import launch
 
         args = ["-m", "parity.run.pool", "--queue", str(self.queue), "--parent", str(os.getpid())]
+        args += preload_args(self.preload)
         try:
             self.result = launch(
                 args,
@@ -87,8 +100,7 @@ class Pool:
                 timeout_s=FOREVER_S,
                 torchrun_args=self.torchrun_args,
                 on_tick=self._tick,
-                expect_world=self.nproc,
-            )
+            )  # each job's world is judged on its own (_read_back)
         except _Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by `run` as a dead pool
@@ -106,11 +118,16 @@ class Pool:
 
     def run(self, spec: JobSpec, out: Path) -> Run | None:
         """Run `spec` into `out`; None when the pool failed on it or it ran past its timeout
-        (the pool is then gone: launch the job alone for its own report)."""
+        (the pool is then gone: launch the job alone for its own report). SpecError: a module
+        of the pool's preload failed to import (a job of another preload: ValueError)."""
         from parity.files import launch_dir, write_json_atomic
         from parity.outdir import OutDir
+        from parity.run.inprocess import raise_preload_error
 
+        if list(spec.preload) != self.preload:
+            raise ValueError(f"a job of preload {spec.preload} in a pool of {self.preload}")
         if not self.alive:
+            raise_preload_error(self.queue)
             return None
         out = Path(out).resolve()
         with OutDir.open(out.parent) as held:
@@ -122,9 +139,21 @@ class Pool:
         write_json_atomic(
             _job_file(self.queue, n), {"module": args[1], "args": args[2:], "logs": str(logs)}
         )
-        done, deadline = _done_file(self.queue, n), time.monotonic() + spec.timeout_s
+        records = self._wait(n, time.monotonic() + spec.timeout_s)
+        if records is None or any(r["exitcode"] for r in records):
+            self.kill()  # its ranks end with the job; launched alone, it gets its own report
+            raise_preload_error(self.queue)
+            return None
+        return self._read_back(spec, out, n, records[0], logs)
+
+    def _wait(self, n: int, deadline: float) -> list[dict[str, Any]] | None:
+        """Every rank's record of job n (rank 0's first), once each rank's child ended; None if
+        the pool ended first or the job ran past its deadline (the pool is then killed)."""
+        done = [_done_file(self.queue, n, rank) for rank in range(self.nproc)]
         try:
-            while not done.exists():
+            while not all(path.exists() for path in done):
+                if any(path.exists() and json.loads(path.read_text())["exitcode"] for path in done):
+                    break  # failed on one rank: the others will not end it
                 if self._ended.is_set():
                     return None
                 if time.monotonic() > deadline:
@@ -134,7 +163,7 @@ class Pool:
         except BaseException:  # Ctrl-C while the job runs: the pool goes with it, now
             self.kill()
             raise
-        return self._read_back(spec, out, n, json.loads(done.read_text()), logs)
+        return [json.loads(path.read_text()) for path in done if path.exists()]
 
     def _read_back(
         self, spec: JobSpec, out: Path, n: int, record: dict[str, Any], logs: Path
@@ -146,18 +175,15 @@ class Pool:
         from parity.run.job import Run
         from parity.run.launch import LaunchResult
 
-        if world.judge(self.folder / "world", self.nproc):
-            self.kill()  # not the world asked for: no job of it is trusted
-            return None
+        if world.judge(self.folder / "world" / _job_name(n), self.nproc):
+            return None  # not the world asked for: launched alone, it is reported
         try:
             metrics = read_metrics(out)
         except MetricsError:
             return None  # a launch of its own says what is wrong with them
-        undone = record.get("undone") or []
         lines = [
             alone_line(spec, out),
             f"# ran as job {n} of the warm pool {self.folder / 'launcher.log'}",
-            *([f"# mutants undone after it: {', '.join(undone)}"] if undone else []),
         ]
         launcher_log = launch_dir(out) / "launcher.log"
         write_text_atomic(launcher_log, "\n".join(lines) + "\n")
@@ -189,8 +215,8 @@ class Pool:
 
 
 class Pools:
-    """Warm pools by launcher shape (ranks per node, torchrun args): started on first use,
-    replaced after a failure, closed together."""
+    """Warm pools by launcher shape (ranks per node, torchrun args) and preload list: started on
+    first use, replaced after a failure, closed together."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -208,7 +234,7 @@ class Pools:
         """The job's Run from a warm pool; None: it cannot run in one, or it failed there."""
         if self.refusal(spec) is not None:
             return None
-        key = (spec.nproc_per_node, tuple(spec.torchrun_args))
+        key = (spec.nproc_per_node, tuple(spec.torchrun_args), tuple(spec.preload))
         pool = self._pools.get(key)
         if pool is None or not pool.alive:
             if pool is not None:
@@ -216,7 +242,7 @@ class Pools:
             name = f"pool{self._started:02d}-w{spec.nproc_per_node}"
             self._started += 1
             pool = self._pools[key] = Pool(self.folder / name, spec.nproc_per_node,
-                                           spec.torchrun_args)  # fmt: skip
+                                           spec.torchrun_args, spec.preload)  # fmt: skip
         return pool.run(spec, out)
 
     def close(self) -> None:
@@ -254,54 +280,35 @@ def _next_job(queue: Path, n: int, parent: int) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-@contextlib.contextmanager
-def _logs_to(folder: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) into folder/std*.log."""
-    folder.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(folder / "stdout.log", "ab") as out, open(folder / "stderr.log", "ab") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            traceback.print_exc()  # into the job's own log as well as the pool's
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, original in zip((1, 2), saved, strict=True):
-                os.dup2(original, fd)
-                os.close(original)
-
-
 def _serve(argv: list[str]) -> int:
+    """Fork a child per queued job (parity.run.inprocess.run_forked), one after the other; a job
+    that fails on this rank ends it, exiting as the job did."""
     from parity.files import write_json_atomic
-    from parity.run.inprocess import SideRunner, finish_distributed
+    from parity.run.inprocess import preload, run_forked
 
     parser = argparse.ArgumentParser(prog="python -m parity.run.pool")
     parser.add_argument("--queue", type=Path, required=True)
     parser.add_argument("--parent", type=int, required=True, help="exit once this pid is gone")
+    parser.add_argument("--preload", default="", help="modules to import first, comma-separated")
     opts = parser.parse_args(argv)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    runner, n = SideRunner(), 0
+    preload([name for name in opts.preload.split(",") if name], opts.queue)
+    n = 0
     while (job := _next_job(opts.queue, n, opts.parent)) is not None and not job.get("stop"):
-        with _logs_to(Path(job["logs"]) / str(local_rank)):
-            record = runner.run(job["module"], job["args"])
-        if rank == 0:
-            write_json_atomic(_done_file(opts.queue, n), record)
+        logs = Path(job["logs"]) / str(local_rank)
+        record = run_forked(job["module"], job["args"], _job_name(n), logs)
+        write_json_atomic(_done_file(opts.queue, n, rank), record)
+        if record["exitcode"]:
+            return record["exitcode"]
         n += 1
-    finish_distributed()
     return 0
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
+def main(argv: list[str] | None = None) -> None:
     """Serve jobs as a torchrun rank until told to stop."""
-    from parity.run.inprocess import run_as_rank
+    from parity.run.inprocess import run_warm
 
-    run_as_rank(_serve, argv)
+    run_warm(_serve, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ submitted (parity.run.signals), and nothing is left queued.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shlex
 import subprocess
@@ -55,7 +56,7 @@ from parity.run.launch import (
     tail_file,
 )
 from parity.run.signals import deferred
-from parity.spec import LauncherSpec
+from parity.spec import LauncherSpec, masked_env
 
 __all__ = ["Allocation", "SlurmRefused", "cancel_all", "hold", "launch", "run_parallel"]
 
@@ -300,10 +301,33 @@ class Allocation:
             return side.failed(self.failure, start)
         if not self.node_names and not self.wait_started(side.on_tick):
             return side.failed(self.failure, start, self.ended_state)
+        seq = self.queue(side)
+        try:
+            return self._wait(side, seq, start)
+        finally:  # the step removes it when it starts; one that never started, here
+            (self.folder / "steps" / f"{seq}.env").unlink(missing_ok=True)
+
+    def queue(self, side: Side) -> int:
+        """Write the side's step for the agent; its number. The job's secrets (variables whose
+        names hold TOKEN, KEY, SECRET or PASSWORD) go to ``steps/N.env``, readable by this user
+        only, which the step reads and removes as it starts: never into the step script, which
+        the nodes' users may read and which stays after the run."""
         seq = self.steps
         self.steps += 1
         self.launch_ids.append(side.launch_id)
-        write_text_atomic(self.folder / "steps" / f"{seq}.sh", side.script(self))
+        secrets_file = self.folder / "steps" / f"{seq}.env"
+        env = side.environment()
+        secrets = _secrets(env)
+        if secrets:
+            _write_private(secrets_file, "".join(f"export {k}={shlex.quote(v)}\n"
+                                                 for k, v in secrets.items()))  # fmt: skip
+        public = {k: v for k, v in env.items() if k not in secrets}
+        script = side.script(self, public, secrets_file if secrets else None)
+        write_text_atomic(self.folder / "steps" / f"{seq}.sh", script)
+        return seq
+
+    def _wait(self, side: Side, seq: int, start: float) -> LaunchResult:
+        """Wait for step ``seq`` (progress, timeout, hung at exit) and read its result."""
         exit_file = self.folder / "steps" / f"{seq}.exit"
         queued = time.monotonic()  # the side's timeout counts from here, not from the queue's
         deadline, exit_by, timed_out, note = queued + side.timeout_s, None, False, ""
@@ -353,6 +377,26 @@ class Allocation:
             self.cancel()
 
 
+def _secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that logs and reports mask (parity.spec.masked_env)."""
+    masked = masked_env(env)
+    return {k: v for k, v in env.items() if masked[k] != v}
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` into ``path`` atomically, readable and writable by this user only from the
+    moment the file exists."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -391,12 +435,19 @@ class Side:
     def node_dir(self, node: int) -> Path:
         return self.run_dir / f"node{node}"
 
-    def script(self, allocation: Allocation) -> str:
+    def environment(self) -> dict[str, str]:
+        """The job's variables, as every launch gives them (parity.run.launch.job_env)."""
+        return job_env(self.world_dir, self.env, self.launch_id)
+
+    def script(
+        self, allocation: Allocation, env: Mapping[str, str], secrets_file: Path | None = None
+    ) -> str:
         """The step the agent runs: the rendezvous at the first node's NodeAddr, then srun of
-        one torchrun per node. Its own output (srun's messages) goes to srun.log."""
+        one torchrun per node. Its own output (srun's messages) goes to srun.log. ``env`` is
+        exported by the script; ``secrets_file`` (the rest) is read, then removed, first."""
         for node in range(self.nnodes):
             (self.node_dir(node) / "logs").mkdir(parents=True, exist_ok=True)
-        env = job_env(self.world_dir, self.env, self.launch_id)
+        secrets = shlex.quote(str(secrets_file)) if secrets_file is not None else ""
         # the static rendezvous: node rank i (SLURM_NODEID) gets ranks i*nproc.., the same
         # rank-to-node map for every side (c10d's would follow the order the nodes joined in)
         torchrun = [
@@ -423,6 +474,7 @@ class Side:
             "#!/bin/bash",
             f"# {self.label}: rerun with {reproduce_line(torchrun, self.env)}",
             f"exec > {shlex.quote(str(self.run_dir / 'srun.log'))} 2>&1",
+            *([f". {secrets} || exit 97", f"rm -f {secrets}"] if secrets else []),
             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
             f"cd {shlex.quote(str(self.cwd or Path.cwd()))} || exit 97",
             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +121,9 @@ def install_traces(rerun: TraceRerun, run_dirs: dict[str, Path]) -> None:
         src, dst = Path(rerun.dirs[side]) / OPS_DIR, Path(run_dir) / OPS_DIR
         if not src.is_dir() or dst.exists():
             continue
-        tmp = dst.with_name(OPS_DIR + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        os.replace(tmp, dst)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{OPS_DIR}-", dir=run_dir))  # a new name: the job's
+        try:  # files in run_dir are never removed or replaced
+            shutil.copytree(src, tmp / OPS_DIR)
+            os.rename(tmp / OPS_DIR, dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -2,9 +2,11 @@
 
 Every launch puts ``parity/run/sitehook`` first on its ranks' PYTHONPATH; its sitecustomize writes
 one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder) when the
-process starts and each time ``init_process_group`` returns. ``judge`` reads them after the
-launch: a side whose ranks did not form one group of the requested size, or where two processes
-claim one rank, did not run the job that was asked for, whatever its metrics say, and is failed.
+process starts, each time ``init_process_group`` returns, and while it runs with how many
+collectives its groups carried. ``judge`` reads them after the launch: a side whose ranks did not
+form one group of the requested size, where two processes claim one rank, or whose groups carried
+nothing (or left no count to show they carried anything) did not run the job that was asked for,
+whatever its metrics say, and is failed.
 
 Why not trust the manifest: a job writes what it believes; an accelerate script that never
 initialised its process group believes it is rank 0 of a world of one, in every process.
@@ -67,9 +69,10 @@ def read_records(world_dir: Path) -> list[RankRecord]:
 def judge(world_dir: Path, world_size: int) -> str:
     """'' when ``world_size`` rank processes formed one group of that size, each with its own
     rank, and used it (a world of 1: one process, group or not); else one line saying what
-    formed instead. A rank that exits without
-    destroying its group or running its atexit (os._exit) leaves no count of the collectives its
-    group carried: then only the group itself is judged."""
+    formed instead. Used: some rank's count of collectives (through any of its groups of more
+    than one rank, sub-groups included) is above 0. A group whose ranks left no count above 0,
+    some none at all (a rank killed or ended by a bare ``_exit`` before its count was written),
+    is failed too: that it carried anything is unproven."""
     records = read_records(world_dir)
     started = len(records)
     if started == 0:
@@ -100,12 +103,26 @@ def judge(world_dir: Path, world_size: int) -> str:
         )
     if twice:
         return f"{started} processes launched, ranks claimed twice: {twice}"
-    counts = [g.get("collectives") for g in groups if g is not None]
-    if counts and all(c == 0 for c in counts):
+    unused = _unused(started, world_size, [g.get("collectives") for g in groups if g])
+    if unused:
+        return unused
+    if started != world_size:
+        return f"only {started} of {world_size} ranks recorded the group they joined"
+    return ""
+
+
+def _unused(started: int, world_size: int, counts: list) -> str:
+    """The line for a group no rank's count shows used: all counts 0, or some missing."""
+    if any(isinstance(c, int) and c > 0 for c in counts):
+        return ""
+    missing = sum(not isinstance(c, int) for c in counts)
+    if not missing:
         return (
             f"{started} processes joined a process group of {world_size}, but none sent anything "
             f"through it (each trained alone); {_HINT}"
         )
-    if started != world_size:
-        return f"only {started} of {world_size} ranks recorded the group they joined"
-    return ""
+    return (
+        f"{started} processes joined a process group of {world_size}, but none left a record of "
+        f"using it ({missing} rank(s) ended before their count of collectives was written, "
+        "e.g. killed or by a bare _exit): that it carried anything is unproven"
+    )

@@ -177,8 +177,8 @@ def test_a_policy_for_a_metric_whose_name_holds_an_equals_sign(tmp_path, capsys)
     from parity.cli import main
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text('{"step": 1, "lr=peak": 0.1}\n{"event": "end", "steps": 1}\n')
-    b.write_text('{"step": 1, "lr=peak": 0.9}\n{"event": "end", "steps": 1}\n')
+    a.write_text('{"step": 1, "lr=peak": 0.1, "loss": 2.5}\n{"event": "end", "steps": 1}\n')
+    b.write_text('{"step": 1, "lr=peak": 0.9, "loss": 2.5}\n{"event": "end", "steps": 1}\n')
     assert main(["compare", str(a), str(b)]) == 1
     assert main(["compare", str(a), str(b), "--policy", "lr=peak=ignore"]) == 0
     capsys.readouterr()

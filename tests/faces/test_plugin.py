@@ -93,6 +93,22 @@ def test_the_keep_runs_folder_is_held_and_owned(pytester, tmp_path_factory):
     assert (keep / "mine" / "notes.txt").read_text() == "the user's"
 
 
+def test_a_kept_folder_s_earlier_runs_are_never_reused(tmp_path):
+    """A second session into the same `--parity-keep-runs=DIR`: its run folders take names
+    nothing has (nor their launch folders), so the first session's runs stay as they were."""
+    from parity.plugin import ParityRunner
+
+    (tmp_path / "000-job").mkdir()
+    (tmp_path / "000-job" / "metrics.jsonl").write_text("the first session's")
+    (tmp_path / "001-job-2.launch").mkdir()
+    runner = ParityRunner(tmp_path)
+    assert runner._folder("job") == tmp_path / "000-job-2"
+    assert runner._folder("job") == tmp_path / "001-job"
+    assert runner._folder("job") == tmp_path / "002-job"
+    (tmp_path / "003-job-alone").mkdir()  # a pooled job's folder launched alone (ParityRunner.job)
+    assert runner._folder("job") == tmp_path / "003-job-2"
+
+
 def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
     """ParityRunner.pair and .floor build their results with parity.pair's functions (one
     comparison of a pair for `parity pair`, run_pair and the plugin): a noisy side A gives the
@@ -113,7 +129,9 @@ def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
     compared = []
     real = parity.pair.compare_frames
     monkeypatch.setattr(parity.run.job, "run_job", run_job)
-    monkeypatch.setattr(parity.pair, "compare_frames", lambda *a: compared.append(a) or real(*a))
+    monkeypatch.setattr(
+        parity.pair, "compare_frames", lambda *a, **k: compared.append(a) or real(*a, **k)
+    )
     runner = ParityRunner(tmp_path)
     pair = PairSpec.from_variants(JobSpec(task="charcount-sft", steps=2), "legacy", "worker")
     result = runner.pair(pair)

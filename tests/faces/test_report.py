@@ -96,10 +96,11 @@ def test_cli_report_exit_codes(runs, tmp_path, capsys):
     assert main(["report", str(runs[0]), str(runs[1]), "-o", str(out)]) == 1
     printed = capsys.readouterr().out
     assert str(out / "report.html") in printed and str(out / "report.md") in printed
-    args = ["report", str(runs[0] / "metrics.jsonl"), str(runs[1]), "-o", str(out)]
+    again = tmp_path / "cli2"  # a report is never written over another (parity.outdir)
+    args = ["report", str(runs[0] / "metrics.jsonl"), str(runs[1]), "-o", str(again)]
     assert main([*args, "--policy", "train/loss=ulp:1"]) == 0
-    assert "parity: aligned" in (out / "report.md").read_text()
-    assert main(["report", str(runs[0]), str(tmp_path / "nope"), "-o", str(out)]) == 2
+    assert "parity: aligned" in (again / "report.md").read_text()
+    assert main(["report", str(runs[0]), str(tmp_path / "nope"), "-o", str(tmp_path / "x")]) == 2
 
 
 CHROMIUM = "/usr/bin/chromium"

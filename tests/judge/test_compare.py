@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from parity.judge.compare import (
     ULP_MAX,
     IncompleteRunError,
+    NothingComparedError,
     Policy,
     compare_frames,
     default_policy,
@@ -135,7 +136,9 @@ def test_ulp_and_close_policies():
 def test_glob_policies_and_precedence():
     a = frame({"val/loss": [1.0], "val/acc": [0.5], "train/mfu": [0.3]})
     b = frame({"val/loss": [2.0], "val/acc": [0.6], "train/mfu": [0.4]})
-    c = compare_frames(a, b, {"val/*": "ignore"})
+    with pytest.raises(NothingComparedError, match="every metric is ignored"):
+        compare_frames(a, b, {"val/*": "ignore"})  # train/mfu is noise: nothing left to judge
+    c = compare_frames(a, b, {"val/*": "ignore"}, allow_nothing_compared=True)
     assert c.ok and c.metrics["val/acc"].status == "ignored"
     c = compare_frames(a, b, {"val/*": "ignore", "val/loss": "exact"})  # name beats glob
     assert [m.name for m in c.failures] == ["val/loss"]
@@ -385,16 +388,16 @@ def test_largest_differences_are_the_full_arrays(pairs):
     frames = [pd.DataFrame({"x": v}, index=steps) for v in (a, b)]
     for f in frames:  # a NaN is a value here, not a missing step
         f.attrs["present"] = pd.DataFrame({"x": True}, index=steps)
-    m = compare_frames(*frames).metrics["x"]
     if not len(a):
         return
+    m = compare_frames(*frames).metrics["x"]
     same = (a.view(np.uint64) == b.view(np.uint64)) | (np.isnan(a) & np.isnan(b))
     with np.errstate(invalid="ignore", over="ignore"):
         absd = np.where(same, 0.0, np.abs(a - b))
         absd = np.where(np.isnan(absd), np.inf, absd)
         reld = np.where(absd == 0, 0.0, absd / np.maximum(np.abs(a), np.abs(b)))
         reld = np.where(np.isnan(reld), np.inf, reld)
-    ulp = ulp_distance(a, b)
+    ulp = ulp_distance(a, b, np.dtype(m.ulp_dtype).type)  # float32 when every value is one
     for got, step, want in (
         (m.max_abs_diff, m.max_abs_diff_step, absd),
         (m.max_rel_diff, m.max_rel_diff_step, reld),
@@ -451,7 +454,8 @@ def test_precision_judges_at_the_coarser_source():
     assert one.first_divergent_step == 2 and one.max_ulp == 1  # one float32 ULP
     r = frame({"m": [10.123456, 2.0]})
     r.attrs["precision"] = {"m": "decimals:5"}
-    assert compare_frames(frame({"m": [10.1234649, 2.0]}), r).ok  # rounds to 10.12346
+    assert compare_frames(frame({"m": [10.1234649, 2.0]}), r).verdict == "imprecise"
+    assert compare_frames(frame({"m": [10.1234649, 2.0]}), r, at_source_precision=True).ok
     d = compare_frames(frame({"m": [10.1234651, 2.0]}), r).metrics["m"]
     assert d.first_divergent_step == 1 and "judged at 5 decimals" in d.note
 
@@ -468,7 +472,7 @@ def test_float32_against_decimals_applies_both():
     state.attrs["precision"] = {"m": "decimals:3"}
     tb = frame({"m": [float(np.float32(1234567.123)), float(np.float32(0.1234))]})
     tb.attrs["precision"] = {"m": "float32"}
-    c = compare_frames(state, tb)
+    c = compare_frames(state, tb, at_source_precision=True)
     assert c.ok and c.metrics["m"].precision == "float32,decimals:3"
     assert "judged at float32 and 3 decimals" in c.table()
 
@@ -585,7 +589,7 @@ def test_noise_of_many_names_at_once_is_noise_of_each():
 def reference(a, b, policies=None, allow_missing=False):
     """The metric-by-metric comparison compare_frames made before it worked on whole arrays:
     each column read through pandas, each metric judged by _compare_metric."""
-    from parity.judge.compare import _compare_metric, resolve_policy
+    from parity.judge.compare import _compare_metric, needs_full_value, resolve_policy
     from parity.readers import present_mask
     from parity.readers.frame import FLOAT64, coarser
 
@@ -609,7 +613,8 @@ def reference(a, b, policies=None, allow_missing=False):
             (b.attrs.get("precision") or {}).get(name, FLOAT64),
         )
         policy = resolve_policy(name, policies or {})
-        args = (*cols["a"], *cols["b"], allow_missing, precision)
+        imprecise = "decimals:" in precision and needs_full_value(policy)
+        args = (*cols["a"], *cols["b"], allow_missing, precision, imprecise)
         out[name] = _compare_metric(name, policy, steps, *args)
     return out
 
@@ -663,13 +668,13 @@ def test_bulk_comparison_is_the_metric_by_metric_one(case):
     from dataclasses import replace
 
     a, b, policies, allow_missing = case
-    got = compare_frames(a, b, policies, allow_missing=allow_missing)
+    got = compare_frames(a, b, policies, allow_missing=allow_missing, allow_nothing_compared=True)
     want = replace(got, metrics=reference(a, b, policies, allow_missing))
     assert got.to_dict()["metrics"] == want.to_dict()["metrics"]
     assert list(got.metrics) == list(want.metrics)
     assert got.table() == want.table()
     assert [m.name for m in got.failures] == [m.name for m in want.failures]
-    failed = any(not m.ok for m in want.metrics.values())
+    failed = any(not m.ok for m in want.metrics.values())  # imprecise is not ok either
     assert got.ok == (not failed and (allow_missing or not (got.steps_only_in_a or
                                                             got.steps_only_in_b)))  # fmt: skip
 

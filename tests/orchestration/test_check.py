@@ -222,12 +222,11 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
     assert f"verdict {verdict}: teardown failure after complete metrics: {line}: aligned" in md
 
 
-def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, monkeypatch):
+def test_a_reused_run_folder_is_refused_and_kept(repo, tmp_path, monkeypatch):
     """A run folder is read with format detection, so a file an earlier run left in it (an HF
-    job's trainer_state.json, say) must not be read as this run's output: the folder starts
-    empty. No real launch: the fake launcher writes nothing."""
-    from parity.outdir import OutDir
-    from parity.run.launch import LaunchError
+    job's trainer_state.json, say) must not be read as this run's output: a run folder already
+    there is refused before anything launches, and kept. No real launch."""
+    from parity.outdir import OutDir, OutputError
     from parity.spec import JobSpec
 
     with OutDir.open(tmp_path) as held:  # an earlier run's folder, made by the harness
@@ -241,6 +240,6 @@ def test_a_reused_run_folder_holds_nothing_of_the_previous_run(repo, tmp_path, m
 
     monkeypatch.setattr(parity.run.job, "launch", fake_launch)
     spec = JobSpec(task="custom", command=["job.py", "--out", "{out}"], world_size=1)
-    with pytest.raises(LaunchError, match="exited 0 but wrote nothing in"):
-        parity.check.run_in_tree(spec, repo, run_dir)  # and is failed, not judged on it
-    assert seen == [[]]
+    with pytest.raises(OutputError, match="base: a folder is already there"):
+        parity.check.run_in_tree(spec, repo, run_dir)
+    assert seen == [] and [p.name for p in run_dir.iterdir()] == ["trainer_state.json"]

@@ -1,9 +1,12 @@
-"""Output folders (parity.outdir): the harness removes or replaces only what it made; anything
-of the user's in the way is refused in one line and left as it was; one command per folder."""
+"""Output folders (parity.outdir): the harness only adds new entries; anything already there,
+an earlier run's, the user's, a symlink, is refused in one line and left as it was; one command
+per folder."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,32 +24,38 @@ COMPLETE = '{"step": 1, "a": 1.0}\n{"event": "end", "steps": 1}\n'
 def test_the_users_folder_is_refused_and_kept(tmp_path: Path) -> None:
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.yaml").write_text("mine\n")
-    with OutDir.open(tmp_path) as held, pytest.raises(OutputError, match="did not make"):
+    with OutDir.open(tmp_path) as held, pytest.raises(OutputError, match="already there"):
         held.claim("base")
     assert (tmp_path / "base" / "config.yaml").read_text() == "mine\n"
 
 
-def test_what_it_made_is_made_fresh_next_time(tmp_path: Path) -> None:
+def test_what_it_made_is_never_removed(tmp_path: Path) -> None:
+    """A second command needing a name an earlier one made is refused: the earlier run's files
+    stay, and none of them can be read as the new run's."""
     with OutDir.open(tmp_path) as held:
         run = held.make_dir("a")
         (run / "ranks").mkdir()
         (run / "ranks" / "rank1.jsonl").write_text("{}\n")  # a world-2 run's file
     with OutDir.open(tmp_path) as held:
-        assert held.made_here("a")
-        assert not any(held.make_dir("a").iterdir())  # nothing of the earlier run is left
+        with pytest.raises(OutputError, match="a: a folder is already there"):
+            held.make_dir("a")
+        with pytest.raises(OutputError, match="already there"):
+            held.make_dir("a")  # not taken for this command's own by the failed claim either
+    assert (run / "ranks" / "rank1.jsonl").read_text() == "{}\n"
 
 
-def test_a_folder_replaced_by_the_user_is_not_ours(tmp_path: Path) -> None:
-    """The record holds the inode the harness made: a folder of the same name made since is
-    the user's."""
-    with OutDir.open(tmp_path) as held:
-        held.make_dir("a")
-    os.rename(tmp_path / "a", tmp_path / "moved")
+def test_an_empty_folder_is_taken_as_it_is(tmp_path: Path) -> None:
+    """An empty folder has nothing to lose (`run_job(spec, tmp_path)`); one with anything in it,
+    a symlink to an empty folder too, is refused."""
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "notes.txt").write_text("mine")
-    with OutDir.open(tmp_path) as held, pytest.raises(OutputError, match="did not make"):
-        held.claim("a")
-    assert (tmp_path / "a" / "notes.txt").exists()
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with OutDir.open(tmp_path) as held:
+        assert held.make_dir("a") == tmp_path / "a"
+        (tmp_path / "a" / "x").write_text("the job's")
+        with pytest.raises(OutputError, match="already there"):
+            held.make_dir("a")  # once written in, never taken again
+        with pytest.raises(OutputError, match="b: a symlink is already there"):
+            held.make_dir("b")
 
 
 def test_a_symlink_is_never_followed(tmp_path: Path) -> None:
@@ -56,20 +65,43 @@ def test_a_symlink_is_never_followed(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "head").symlink_to(outside)
-    with OutDir.open(out) as held, pytest.raises(OutputError, match="symlink"):
-        held.claim("head")
+    (out / "dangling").symlink_to(tmp_path / "nowhere")
+    with OutDir.open(out) as held:
+        for name in ("head", "dangling"):
+            with pytest.raises(OutputError, match="symlink"):
+                held.make_dir(name)
     assert (outside / "keep.txt").read_text() == "mine"
-    assert (out / "head").is_symlink()
+    assert (out / "head").is_symlink() and (out / "dangling").is_symlink()
+    assert not (tmp_path / "nowhere").exists()
 
 
-def test_a_symlink_inside_a_folder_it_made_is_removed_not_followed(tmp_path: Path) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "keep.txt").write_text("mine")
-    with OutDir.open(tmp_path / "out") as held:
-        (held.make_dir("a") / "link").symlink_to(outside)
-        held.claim("a")
-    assert (outside / "keep.txt").read_text() == "mine"
+def test_nothing_recorded_can_make_it_delete(tmp_path: Path) -> None:
+    """The ledger the harness once kept (OUT/.parity-out/made.json), forged with the inode of
+    the user's folder, or left by an older version: read by nothing, the folder stays."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    st = os.lstat(tmp_path / "a")
+    (tmp_path / ".parity-out").mkdir()
+    ledger = {"a": {"dev": st.st_dev, "ino": st.st_ino}, "b": {"pending": True}}
+    (tmp_path / ".parity-out" / "made.json").write_text(json.dumps(ledger))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine too")
+    with OutDir.open(tmp_path) as held:
+        for name in ("a", "b"):
+            with pytest.raises(OutputError, match="already there"):
+                held.claim(name)
+    assert (tmp_path / "a" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "b" / "notes.txt").read_text() == "mine too"
+    assert json.loads((tmp_path / ".parity-out" / "made.json").read_text()) == ledger
+
+
+def test_a_fresh_folder_takes_the_first_free_name(tmp_path: Path) -> None:
+    (tmp_path / "pools").mkdir()
+    (tmp_path / "pools" / "x").write_text("an earlier session's")
+    (tmp_path / "pools-2").symlink_to(tmp_path / "nowhere")
+    with OutDir.open(tmp_path) as held:
+        assert held.fresh_dir("pools") == tmp_path / "pools-3"
+    assert (tmp_path / "pools" / "x").read_text() == "an earlier session's"
 
 
 def test_a_file_is_no_output_folder(tmp_path: Path) -> None:
@@ -119,11 +151,16 @@ def test_a_second_command_on_a_held_folder_is_refused(held_elsewhere, capsys) ->
 
 def test_check_out_dot_keeps_the_repositorys_tracked_base(tmp_path: Path, capsys) -> None:
     """`parity check --out .` at a repository's root whose base/ is tracked: refused before
-    anything runs, exit 2, the file and git status as they were."""
+    anything runs, exit 2, the file and git status as they were; a committed ledger of an older
+    version naming base/ by its inode changes nothing."""
     repo = tmp_path / "repo"
     (repo / "base").mkdir(parents=True)
     (repo / "base" / "config.yaml").write_text("lr: 1\n")
     (repo / "job.toml").write_text('task = "custom"\ncommand = ["train.py", "{out}"]\n')
+    st = os.lstat(repo / "base")
+    (repo / ".parity-out").mkdir()
+    ledger = json.dumps({"base": {"dev": st.st_dev, "ino": st.st_ino}})
+    (repo / ".parity-out" / "made.json").write_text(ledger)
     git(repo, "init", "-q")
     git(repo, "add", ".")
     git(repo, "commit", "-qm", "one")
@@ -134,12 +171,12 @@ def test_check_out_dot_keeps_the_repositorys_tracked_base(tmp_path: Path, capsys
     finally:
         os.chdir(cwd)
     err = capsys.readouterr().err
-    assert code == 2 and "base: a folder parity did not make is in the way" in err
     assert (repo / "base" / "config.yaml").read_text() == "lr: 1\n"
+    assert code == 2 and "base: a folder is already there" in err
     status = subprocess.run(
         ["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True
     )
-    assert status.stdout.splitlines() == ["?? .parity-out/"]
+    assert status.stdout.splitlines() == ["?? .parity-out/lock"]
 
 
 def test_pair_and_report_into_a_file_are_bad_input(tmp_path: Path, capsys) -> None:
@@ -163,10 +200,45 @@ def test_report_does_not_overwrite_the_users_report(tmp_path: Path, capsys) -> N
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "report.md").write_text("my notes")
     assert main(["report", str(metrics), str(metrics), "-o", str(tmp_path / "out")]) == 2
-    assert "report.md: a file parity did not make" in capsys.readouterr().err
+    assert "report.md: a file is already there" in capsys.readouterr().err
     assert (tmp_path / "out" / "report.md").read_text() == "my notes"
     assert main(["report", str(metrics), str(metrics), "-o", str(tmp_path / "new")]) == 0
-    assert main(["report", str(metrics), str(metrics), "-o", str(tmp_path / "new")]) == 0
+
+
+def test_a_report_the_user_edited_or_rewrote_is_kept(tmp_path: Path, capsys) -> None:
+    """The user's notes in the report it wrote (same inode), or their own summary.md put where
+    its own was deleted (on ext4 often under the freed inode number): the next command is
+    refused, in one line, and both files stay as the user left them."""
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(COMPLETE)
+    out = tmp_path / "out"
+    assert main(["report", str(metrics), str(metrics), "-o", str(out)]) == 0
+    with open(out / "report.md", "a") as f:  # edited in place: the inode the harness made
+        f.write("my notes\n")
+    kept = (out / "report.md").read_text()
+    capsys.readouterr()
+    code = main(["report", str(metrics), str(metrics), "-o", str(out)])
+    assert (out / "report.md").read_text() == kept and kept.endswith("my notes\n")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "report.html: a file is already there" in err[0], err
+    (out / "report.html").unlink()
+    (out / "report.html").write_text("mine")  # may well take the freed inode number
+    assert main(["report", str(metrics), str(metrics), "-o", str(out)]) == 2
+    assert (out / "report.html").read_text() == "mine"
+    assert (out / "report.md").read_text() == kept
+
+
+def test_a_bare_or_dotted_file_name_reports(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`parity report a.jsonl b.jsonl -o rep` (or ./a.jsonl): the files' folder is ".", whose
+    launch folder is named by its path, not an internal error."""
+    monkeypatch.chdir(tmp_path)
+    Path("a.jsonl").write_text(COMPLETE)
+    Path("b.jsonl").write_text(COMPLETE)
+    assert main(["report", "a.jsonl", "b.jsonl", "-o", "rep"]) == 0
+    assert main(["report", "./a.jsonl", "./b.jsonl", "-o", "rep2"]) == 0
+    assert main(["compare", "./a.jsonl", "b.jsonl"]) == 0
+    assert "aligned" in Path("rep/report.md").read_text()
+    assert (tmp_path / "rep2" / "report.html").is_file()
 
 
 WRITER = """\
@@ -178,19 +250,64 @@ if sys.argv[2:] != ["nothing"]:
 """
 
 
-@pytest.mark.parity
-def test_a_rerun_into_the_same_out_is_judged_on_its_own_files(tmp_path: Path, capsys) -> None:
-    """The second pair's side b writes nothing: failed (exit 3) with the reason, not judged
-    aligned on the first pair's metrics.jsonl, which is gone with its folder."""
+def _plain_pair(tmp_path: Path) -> Path:
+    """A pair spec of one plain process per side (no torchrun): a second or so a pair."""
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     spec = tmp_path / "pair.toml"
-    spec.write_text(f'task = "custom"\ncommand = ["{script}", "{{out}}"]\n')
+    spec.write_text(f'task = "custom"\ndistributed = false\ncommand = ["{script}", "{{out}}"]\n')
+    return spec
+
+
+def test_a_rerun_into_the_same_out_is_refused_and_nothing_is_lost(tmp_path: Path, capsys) -> None:
+    """After a clean pair the user puts folders where the pair could have written (the in-process
+    launch, the op-trace reruns, a Slurm allocation) and edits its summary: the next pair into
+    the same --out is refused before anything runs, one line, exit 2, and every file stays: the
+    first pair's metrics too, so none of them can be judged as the second pair's."""
+    spec = _plain_pair(tmp_path)
     out = tmp_path / "out"
     assert main(["pair", "--spec", str(spec), "--out", str(out)]) == 0
-    spec.write_text(spec.read_text() + f'[b]\ncommand = ["{script}", "{{out}}", "nothing"]\n')
+    mine = {
+        "in-process/notes.txt": "mine 1",
+        "trace-a/notes.txt": "mine 2",
+        "allocation/notes.txt": "mine 3",
+        "a-repeat.launch/notes.txt": "mine 4",
+    }
+    for name, text in mine.items():
+        (out / name).parent.mkdir()
+        (out / name).write_text(text)
+    (out / "summary.md").write_text("my summary")
+    ours = (out / "a" / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert main(["pair", "--spec", str(spec), "--out", str(out)]) == 3
-    err = capsys.readouterr().err
-    assert "side b: the job exited 0 but wrote nothing in" in err, err
-    assert not (out / "b" / "metrics.jsonl").exists()
+    assert main(["pair", "--spec", str(spec), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already there" in err[0] and "choose another --out" in err[0]
+    assert all((out / name).read_text() == text for name, text in mine.items())
+    assert (out / "summary.md").read_text() == "my summary"
+    assert (out / "a" / "metrics.jsonl").read_text() == ours
+
+
+KILLED = """
+import os, signal, sys
+from parity.outdir import OutDir
+from parity.pair import PAIR_ENTRIES
+held = OutDir.open(sys.argv[1])
+held.claim(*PAIR_ENTRIES)
+held.make_dir("a")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_names_a_killed_command_claimed_are_not_its_own(tmp_path: Path) -> None:
+    """A pair SIGKILLed after claiming its names, before making most of them: a folder the user
+    then puts under one of those names is refused by the next command, never deleted."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(out)], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL
+    (out / "in-process").mkdir()
+    (out / "in-process" / "notes.txt").write_text("mine")
+    with OutDir.open(out) as held:
+        with pytest.raises(OutputError, match="in-process: a folder is already there"):
+            held.claim("in-process")
+        assert held.make_dir("b").is_dir()  # a name nothing took is free
+    assert (out / "in-process" / "notes.txt").read_text() == "mine"

@@ -340,8 +340,9 @@ def test_the_core_against_the_previous_release(bare, tmp_path, record_property):
 
 @pytest.mark.parity
 def test_a_reader_plugin_is_read_by_format_and_by_detection(bare, wheels, tmp_path):
-    """tests/readers/plugin_reader registers `mylog` (JSON lines with `it` for the step, which the
-    generic jsonl format would claim and refuse): asked before the generic formats."""
+    """tests/readers/plugin_reader registers `mylog` (JSON lines with `it` for the step): a folder
+    holding `train.mylog` is its by detection; the file itself, JSON lines the built-in jsonl
+    claims first (and refuses: no step), only with --format mylog, which the error names."""
     _pip(bare.python, ["install", "--no-deps", str(wheels.plugin)], tmp_path / "pip.log")
     runs = {}
     for name, loss3 in (("a", 1.25), ("again", 1.25), ("changed", 1.5)):
@@ -352,6 +353,9 @@ def test_a_reader_plugin_is_read_by_format_and_by_detection(bare, wheels, tmp_pa
     for given in ([], ["--format", "mylog"]):
         for side in (runs["again"], runs["again"] / "train.mylog"):
             out = _run([bare.parity, "compare", runs["a"], side, *given], tmp_path)
+            if not given and side.is_file():
+                assert out.returncode == 2 and "give --format mylog" in out.stderr, out.stderr
+                continue
             assert out.returncode == 0, out.stdout + out.stderr
             assert "[mylog]" in out.stdout and "verdict: aligned" in out.stdout, out.stdout
         out = _run([bare.parity, "compare", runs["a"], runs["changed"], *given], tmp_path)

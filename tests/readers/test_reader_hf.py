@@ -103,6 +103,12 @@ def test_real_file_precision(hf_run):
     assert prec["train/grad_norm"] == "float64"
     assert prec["eval/runtime"] == prec["train/train_runtime"] == "decimals:4"
     assert prec["eval/samples_per_second"] == prec["train/train_steps_per_second"] == "decimals:3"
+    # a real Trainer's computed values (lr schedule, float32 grad norms, flos) are never read
+    # as rounded: only the metrics HF itself rounds are
+    hf_rounds = ("loss", "epoch", "runtime", "per_second")
+    assert {n: p for n, p in prec.items() if not n.endswith(hf_rounds)} == dict.fromkeys(
+        [n for n in prec if not n.endswith(hf_rounds)], "float64"
+    )
 
 
 def test_real_output_dir_detection_and_checkpoints(hf_run, tmp_path):
@@ -134,7 +140,8 @@ def test_real_run_agrees_with_its_tensorboard_events(hf_run):
     state = read_metrics(hf_run["out"] / "trainer_state.json")
     tb = read_metrics(hf_run["tb"])
     assert set(tb.columns) == set(state.columns)
-    comparison = compare_frames(state, tb, {"*": "exact"})
+    assert compare_frames(state, tb, {"*": "exact"}).verdict == "imprecise"  # a rounded loss
+    comparison = compare_frames(state, tb, {"*": "exact"}, at_source_precision=True)
     assert comparison.verdict == "aligned", comparison
 
 
@@ -170,6 +177,17 @@ def test_old_transformers_rounding_is_proved_by_the_values(tmp_path):
     )
     prec = read_metrics(new).attrs["precision"]
     assert prec["train/loss"] == "float64" and prec["train/epoch"] == "float64"
+
+
+def test_values_all_written_rounded_are_read_at_their_decimals(tmp_path):
+    """A log_history a callback rounded (`round(x, 4)` on every value): each metric HF does
+    not round itself is read at 4 decimals too, as in any text log, not as full float64."""
+    rows = [
+        {"loss": round(2.3 - s * 13 / 997, 4), "grad_norm": round(1.7 + s * 37 / 991, 4), "step": s}
+        for s in range(1, 6)
+    ]
+    prec = read_metrics(write_state(tmp_path / "trainer_state.json", rows)).attrs["precision"]
+    assert prec == {"train/grad_norm": "decimals:4", "train/loss": "decimals:4"}
 
 
 def test_rows_without_step_are_skipped_and_counted(tmp_path):

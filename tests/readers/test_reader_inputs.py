@@ -270,6 +270,9 @@ CUT_CASES = [
     ("c.log", "step:1 - a:0.5\nstep:2 - a:0.12", 2),
     ("c.log", "noise\nstep:1 - a:0.5\r\n(TaskRunner pid=3) step:2 - a:0.12", 3),
     ("losses/t_loss.txt", "1 10.5\n2 10.4", 2),
+    ("c.log", "step:1 - a:0.5\nste", 2),  # cut before its values: only `step:`'s start left
+    ("c.log", "step:1 - a:0.5\n(TaskRunner pid=3) step:2 -", 2),
+    ("c.log", "step:1 - a:0.5\n 50%|#####     | 1/2 [00:01<00:01]s", 2),
 ]
 
 
@@ -291,6 +294,9 @@ def test_a_cut_tail_without_a_step_line_loses_nothing(tmp_path):
     path = _write(tmp_path, "c.log", "step:1 - a:0.5\n 50%|#####     | 1/2 [00:01<00:01]")
     frame = read_metrics(path)
     assert frame.attrs["skipped"] == [] and frame.loc[1, "a"] == 0.5
+    for tail in ("saving checkpoints", "timeste", "global_step:2 -"):  # no step line's start
+        frame = read_metrics(_write(tmp_path, "c.log", f"step:1 - a:0.5\n{tail}"))
+        assert frame.attrs["skipped"] == [], tail
     with pytest.raises(MetricsError, match=r"c\.log:1: no metrics records: the only step line"):
         read_metrics(_write(tmp_path, "c.log", "step:1 - a:0.5"))
 

@@ -86,7 +86,10 @@ def test_real_files_read_bit_for_bit(lightning_runs):
         frame = read_metrics(path)
         assert_reads(frame, want)
         assert frame.attrs["format"] == FMT and frame.attrs["complete"] is None
-        assert set(frame.attrs["precision"].values()) == {"float64"}
+        precision = dict(frame.attrs["precision"])
+        if version == 0:  # 0.1 * 0.9**4 prints 0.06561: no text tells it from a rounded value
+            assert precision.pop("lr-SGD") == "decimals:5"
+        assert set(precision.values()) == {"float64"}
         assert skipped_count(frame) == 0 and frame.attrs["notes"] == []
     frame = read_metrics(lightning_runs["logs"] / "version_0")
     assert "epoch" in frame.columns and frame.at[5, "epoch"] == 1.0
@@ -229,7 +232,7 @@ def test_a_last_row_without_its_newline_is_a_cut_tail(tmp_path):
 
 cell_values = (
     st.floats(allow_nan=True, allow_infinity=True)
-    | st.integers(-(2**60), 2**60)
+    | st.integers(-(2**53), 2**53)  # past 2**53 an integer is refused: test_readers.py
     | st.booleans()
     | st.none()
 )

@@ -23,6 +23,7 @@ from parity.errors import InputError
 from parity.readers import (
     FORMATS,
     REGISTRY,
+    MetricsError,
     ReaderPluginError,
     ReadOptionError,
     detect,
@@ -42,6 +43,46 @@ MODULES = {
         "from parity_mylog import FORMATS\n"
     ),
     "word_plugin": "WORD = 'mylog'\n",
+    "rogue_plugin": (
+        "import threading\n"
+        "import pandas as pd\n"
+        "from parity.readers import Format\n"
+        "from parity.readers.frame import finish\n"
+        "RELEASE = threading.Event()\n"
+        "def frame(kind):\n"
+        "    index = pd.Index([1, 2], dtype='int64', name='step')\n"
+        "    good = pd.DataFrame({'loss': [0.5, 0.25]}, index=index)\n"
+        "    if kind == 'none':\n"
+        "        return pd.DataFrame({'loss': [None, None]}, index=index)\n"
+        "    if kind == 'absent':\n"
+        "        v = pd.DataFrame({'loss': [float('nan')] * 2}, index=index)\n"
+        "        return finish(v, v.notna(), source='x', fmt='rogue')\n"
+        "    if kind == 'float-index':\n"
+        "        v = good.set_axis(pd.Index([1.0, 2.0], name='step'))\n"
+        "        return finish(v, v.notna(), source='x', fmt='rogue')\n"
+        "    if kind == 'unsorted':\n"
+        "        v = good.set_axis(pd.Index([2, 1], name='step'))\n"
+        "        return finish(v, v.notna(), source='x', fmt='rogue')\n"
+        "    if kind == 'bare':\n"
+        "        return good\n"
+        "    if kind == 'list':\n"
+        "        return [0.5, 0.25]\n"
+        "    return finish(good, good.notna(), source='x', fmt='rogue')\n"
+        "def make(kind, claims=lambda p, h: True):\n"
+        "    return [Format('rogue', lambda p, o: frame(kind), claims, 'all', 'float64')]\n"
+        "def boom(*args):\n"
+        "    raise RuntimeError('kaboom\\nsecond line')\n"
+        "def slow(path, head):\n"
+        "    RELEASE.wait(60)\n"
+        "    return True\n"
+        "GREEDY = make('none')\n"
+        "GOOD = make('good')\n"
+        "for kind in ('none', 'absent', 'float-index', 'unsorted', 'bare', 'list'):\n"
+        "    globals()['BAD_' + kind.upper().replace('-', '_')] = make(kind)\n"
+        "RAISES_IN_CLAIMS = [Format('rogue', lambda p, o: frame('good'), boom, 'all', 'float64')]\n"
+        "RAISES_IN_READ = [Format('rogue', boom, lambda p, h: True, 'all', 'float64')]\n"
+        "SLOW = [Format('rogue', lambda p, o: frame('good'), slow, 'all', 'float64')]\n"
+    ),
 }
 
 
@@ -76,20 +117,23 @@ def _jsonl_run(folder: Path) -> Path:
     return folder
 
 
-def test_a_plugin_is_asked_after_the_specific_formats_and_before_the_generic(plugins, tmp_path):
+def test_a_plugin_is_asked_after_every_built_in_format(plugins, tmp_path):
     plugins(mylog="mylog_plugin:FORMATS")
     names = list(REGISTRY)
-    assert names == [*readers._BUILTIN_SPECIFIC, "mylog", *readers._BUILTIN_GENERIC]
+    assert names == [*readers._BUILTIN_SPECIFIC, *readers._BUILTIN_GENERIC, "mylog"]
     assert list(FORMATS) == names and "mylog" in FORMATS
-    # JSON lines the generic jsonl format would claim (and refuse: no step) are mylog's
-    path = _mylog(tmp_path / "a.mylog", [2.0, 1.5])
-    assert detect(path).name == "mylog" and detect(path) is REGISTRY["mylog"]
-    frame = read_metrics(path)
-    assert frame.attrs["format"] == "mylog" and list(frame["loss"]) == [2.0, 1.5]
+    # a folder no built-in claims is mylog's, and so is the file by name
     folder = tmp_path / "run"
     folder.mkdir()
-    _mylog(folder / "train.mylog", [2.0, 1.5])
-    assert read_metrics(folder, "mylog").equals(frame)
+    path = _mylog(folder / "train.mylog", [2.0, 1.5])
+    assert detect(folder).name == "mylog" and detect(folder) is REGISTRY["mylog"]
+    frame = read_metrics(folder)
+    assert frame.attrs["format"] == "mylog" and list(frame["loss"]) == [2.0, 1.5]
+    assert read_metrics(path, "mylog").equals(frame)
+    # JSON lines are the built-in jsonl's, which refuses these (no step) and names the plugin
+    assert detect(path).name == "jsonl"
+    with pytest.raises(MetricsError, match=r"claims it too, .* give --format mylog to read it"):
+        read_metrics(path)
 
 
 def test_the_cli_takes_a_plugin_format_by_name(plugins, tmp_path, capsys):
@@ -112,7 +156,13 @@ def test_a_broken_plugin_fails_only_the_reads_that_need_it(plugins, tmp_path, ca
         "ModuleNotFoundError: No module named 'no_such_module_here'"
     )
     path = _mylog(tmp_path / "a.mylog", [1.0])
-    for read in (lambda: read_metrics(path), lambda: read_metrics(path, "mylog")):
+    with pytest.raises(MetricsError, match=r"no.*step") as refused:
+        read_metrics(path)  # the built-in jsonl's own error: the plugin is not needed for it
+    assert "claims it too" not in str(refused.value)
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    _mylog(folder / "train.mylog", [1.0])
+    for read in (lambda: read_metrics(folder), lambda: read_metrics(path, "mylog")):
         with pytest.raises(ReaderPluginError) as info:
             read()
         assert str(info.value) == expected
@@ -172,3 +222,96 @@ def test_a_bad_read_option_is_an_input_error(tmp_path):
     with pytest.raises(ReadOptionError, match=r"^unknown duplicates rule 'both'"):
         read_metrics(run, duplicates="both")  # type: ignore[arg-type]
     assert issubclass(ReadOptionError, InputError) and issubclass(ReaderPluginError, InputError)
+
+
+# --- a plugin cannot take a built-in format's file, nor pass for the harness ---------------------
+
+ROGUE = "reader plugin rogue = rogue_plugin:{} (llm_parity.readers), format 'rogue'"
+
+
+def _jsonl_file(path: Path, losses: list[float]) -> Path:
+    lines = [json.dumps({"step": i, "loss": x}) for i, x in enumerate(losses, 1)]
+    path.write_text("\n".join([*lines, json.dumps({"event": "end", "steps": len(losses)})]) + "\n")
+    return path
+
+
+def test_a_plugin_that_claims_every_file_does_not_take_the_built_in_ones(plugins, tmp_path):
+    """A plugin claiming everything and reading None everywhere judged two diverging jsonl
+    files 'aligned': they are the built-in jsonl's, and its frame is refused when named."""
+    plugins(rogue="rogue_plugin:GREEDY")
+    a, b = (
+        _jsonl_file(tmp_path / "a.jsonl", [2.0, 1.5]),
+        _jsonl_file(tmp_path / "b.jsonl", [2.0, 1.75]),
+    )
+    assert detect(a).name == "jsonl"
+    assert main(["compare", str(a), str(b)]) == 1
+    assert main(["compare", str(a), str(b), "--format", "rogue"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("NONE", "metric 'loss' is object, not float64"),
+        ("ABSENT", "metric 'loss' has no value at any step"),
+        ("FLOAT_INDEX", "its index must be 'step' of int64, not 'step' of float64"),
+        ("UNSORTED", "its steps must be unique and ascending"),
+        ("BARE", "attrs['present'] must be a boolean frame of its shape (build it with finish)"),
+        ("LIST", "it gave list, not a pandas DataFrame"),
+    ],
+)
+def test_a_plugin_frame_that_breaks_the_contract_is_the_plugins_bad_input(
+    plugins, tmp_path, capsys, kind, why
+):
+    plugins(rogue=f"rogue_plugin:BAD_{kind}")
+    path = tmp_path / "a.txt"
+    path.write_text("anything\n")
+    expected = (
+        f"{ROGUE.format('BAD_' + kind)}: read of {path} gave a frame against the reader "
+        f"contract: {why}"
+    )
+    with pytest.raises(ReaderPluginError) as info:
+        read_metrics(path)
+    assert str(info.value) == expected
+    assert main(["compare", str(path), str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, however long the path
+    assert line.startswith(f"parity: error: {ROGUE.format('BAD_' + kind)}: read of ")
+    assert line.endswith(why)
+
+
+def test_a_plugin_frame_that_keeps_the_contract_is_read(plugins, tmp_path):
+    plugins(rogue="rogue_plugin:GOOD")
+    path = tmp_path / "a.txt"
+    path.write_text("anything\n")
+    assert list(read_metrics(path)["loss"]) == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("where", ["CLAIMS", "READ"])
+def test_a_plugin_that_raises_is_named_with_the_file_exit_2(plugins, tmp_path, capsys, where):
+    plugins(rogue=f"rogue_plugin:RAISES_IN_{where}")
+    path = tmp_path / "a.txt"
+    path.write_text("anything\n")
+    done = "claims({})" if where == "CLAIMS" else "read of {}"
+    expected = (
+        f"{ROGUE.format('RAISES_IN_' + where)}: {done.format(path)} failed: RuntimeError: kaboom"
+    )
+    with pytest.raises(ReaderPluginError) as info:
+        read_metrics(path)
+    assert str(info.value) == expected
+    assert main(["compare", str(path), str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"parity: error: {expected}"]
+
+
+def test_a_plugin_claims_that_does_not_answer_is_abandoned(plugins, tmp_path, monkeypatch):
+    import rogue_plugin
+
+    monkeypatch.setattr(readers, "CLAIMS_LIMIT_S", 0.2)
+    plugins(rogue="rogue_plugin:SLOW")
+    path = tmp_path / "a.txt"
+    path.write_text("anything\n")
+    try:
+        with pytest.raises(
+            ReaderPluginError, match=r"claims\(.*a\.txt\) did not answer within 0\.2 s"
+        ):
+            read_metrics(path)
+    finally:
+        rogue_plugin.RELEASE.set()  # the abandoned thread ends

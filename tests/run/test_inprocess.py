@@ -8,16 +8,12 @@ without launching anything.
 from __future__ import annotations
 
 import dataclasses
-import gc
+import json
 import os
-import random
 import subprocess
 import sys
-import textwrap
-import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,15 +21,14 @@ from safetensors.torch import load_file
 from parity import assert_parity
 from parity.files import launch_dir
 from parity.run.inprocess import (
+    PRELOAD_ERROR,
     SEPARATOR,
-    SideRunner,
-    _Baseline,
     _parse,
-    _unwrap_mutants,
     command,
+    raise_preload_error,
     refusal,
 )
-from parity.spec import JobSpec, PairSpec
+from parity.spec import JobSpec, PairSpec, SpecError
 from tests.specs import LAUNCH_MODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +84,9 @@ def test_refusals_are_one_line():
     assert "one node" in refusal(two_nodes, two_nodes)
     script = JobSpec(task="custom", command=["train.py", "--out", "{out}"])
     assert "script" in refusal(script, script)
+    assert base.preload == ["worker.boot"]  # the preset's
+    reason = refusal(base, dataclasses.replace(base, preload=[]))
+    assert reason and "same preload" in reason
 
 
 def test_refusal_is_exit_2_before_any_launch(tmp_path):
@@ -112,109 +110,105 @@ def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     opts, sides = _parse(args[2:])
     assert [m for m, _ in sides] == ["worker.sft", "parity.run.mutants"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
-    module, side_args, mutants, _ = _unwrap_mutants(*sides[1])
-    assert (module, mutants) == ("worker.sft", ["lr-before-step"])
+    side_args = sides[1][1]  # parity.run.mutants's: the mutants, then the job
+    assert side_args[:4] == ["--mutants", "lr-before-step", "-m", "worker.sft"]
     assert side_args[side_args.index("--out") + 1] == str(tmp_path / "b")
     assert opts.timing == tmp_path / "t.json" and SEPARATOR not in side_args
     with pytest.raises(SystemExit, match="-m MODULE"):
         _parse(["-m", "worker.sft", SEPARATOR, "train.py"])
 
 
-def test_mutants_are_undone_after_their_side(tmp_path):
-    """Every catalogue mutant applied, then undone: nothing they replaced outside the job's
-    packages survives (torch's DistributedSampler among them). In a process of its own, since
-    the worker modules it patches are this session's too."""
-    script = (
-        "import sys\n"
-        "from torch.utils.data import DistributedSampler\n"
-        "from parity.run.mutants import apply_mutants\n"
-        "from parity.run.inprocess import Patches\n"
-        "from worker.mutants import MUTANTS\n"
-        "before = DistributedSampler.set_epoch, DistributedSampler.__init__\n"
-        "patches = Patches(skip={'worker'})\n"
-        "apply_mutants(sorted(MUTANTS))\n"
-        "assert DistributedSampler.set_epoch is not before[0]\n"
-        "undone = patches.undo('worker.mutants')\n"
-        "assert (DistributedSampler.set_epoch, DistributedSampler.__init__) == before\n"
-        "assert not patches.undo('worker.mutants')\n"
-        "print('\\n'.join(sorted(undone)))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)  # fmt: skip
+SIDE = """
+import json, os, sys
+import sharedstate  # a package of neither side's: its state is process state
+
+def train(argv):
+    out = argv[0]
+    seen = {"calls": sharedstate.note(), "env": os.environ.get("SIDE_SET"), "argv": sys.argv[1:]}
+    os.environ["SIDE_SET"] = out
+    with open(out, "w") as f:
+        json.dump(seen, f)
+    if len(argv) > 1:
+        sys.exit(int(argv[1]))
+
+if __name__ == "__main__":
+    train(sys.argv[1:])
+"""
+
+
+def _sides_without_torchrun(tmp_path: Path, *sides: list[str]) -> subprocess.CompletedProcess:
+    """`python -m parity.run.inprocess` with these sides of statejob_demo, as one rank."""
+    (tmp_path / "sharedstate.py").write_text("CALLS = []\ndef note():\n    CALLS.append(1)\n"
+                                             "    return len(CALLS)\n")  # fmt: skip
+    (tmp_path / "statejob_demo.py").write_text(SIDE)
+    cmd = [sys.executable, "-m", "parity.run.inprocess"]
+    for k, args in enumerate(sides):
+        cmd += [SEPARATOR] * bool(k) + ["-m", "statejob_demo", *args]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_each_side_is_a_fresh_process(tmp_path):
+    """What side A leaves in any module, the environment or argv, side B never sees: each side
+    runs in a child of its own, as `python -m MODULE ARGS` (its argv, its exit)."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    proc = _sides_without_torchrun(tmp_path, [str(a)], [str(b)])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [
-        "torch.utils.data.distributed.DistributedSampler.__init__",
-        "torch.utils.data.distributed.DistributedSampler.set_epoch",
-    ]
+    assert json.loads(a.read_text()) == {"calls": 1, "env": None, "argv": [str(a)]}
+    assert json.loads(b.read_text()) == {"calls": 1, "env": None, "argv": [str(b)]}
 
 
-def test_baseline_restores_what_a_job_changes(monkeypatch):
-    monkeypatch.setenv("PARITY_TEST_KEEP", "1")
-    monkeypatch.delenv("PARITY_TEST_NEW", raising=False)
-    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    baseline = _Baseline.take()
-    expected = (random.random(), np.random.rand(), torch.rand(1))
-    baseline.restore()
-    try:
-        os.environ["PARITY_TEST_NEW"] = "1"
-        os.environ["PARITY_TEST_KEEP"] = "2"
-        torch.set_default_dtype(torch.float64)
-        torch.use_deterministic_algorithms(not deterministic)
-        random.seed(5)
-        np.random.seed(5)
-        torch.manual_seed(5)
-        gc.disable()
-        baseline.restore()
-        assert gc.isenabled()
-        assert "PARITY_TEST_NEW" not in os.environ and os.environ["PARITY_TEST_KEEP"] == "1"
-        assert torch.get_default_dtype() == dtype and torch.get_num_threads() == threads
-        assert torch.are_deterministic_algorithms_enabled() == deterministic
-        assert (random.random(), np.random.rand()) == expected[:2]
-        assert torch.equal(torch.rand(1), expected[2])
-    finally:
-        torch.set_default_dtype(dtype)
-        torch.use_deterministic_algorithms(deterministic)
-        gc.enable()
+PRELOADED = """
+import sys
+BEFORE_TORCH = "torch" not in sys.modules  # the job's own preload comes before numpy and torch
+CALLS = []
+def note():
+    CALLS.append(1)
+    return len(CALLS)
+"""
+PRELOADED_JOB = """
+import json, sys
+import sharedstate
+with open(sys.argv[1], "w") as f:
+    json.dump({"calls": sharedstate.note(), "before_torch": sharedstate.BEFORE_TORCH}, f)
+"""
 
 
-def test_a_side_that_froze_its_models_still_has_them_freed(tmp_path, monkeypatch):
-    """A job may pause the collector and freeze its start-up's objects (worker.entry does):
-    after its side, its models are still freed (before the next side or the group's end), and
-    the collector runs for the next side as it did before the first."""
-    (tmp_path / "frozenjob_demo.py").write_text(
-        textwrap.dedent(
-            """
-            import gc, weakref
-            import frozenjob_refs
+def test_the_preload_is_imported_first_and_each_side_gets_it_fresh(tmp_path):
+    """`--preload sharedstate`: imported by the warm process before numpy and torch; side A's
+    call does not reach side B, which finds the module as the warm process imported it."""
+    (tmp_path / "sharedstate.py").write_text(PRELOADED)
+    (tmp_path / "preloaded_demo.py").write_text(PRELOADED_JOB)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "parity.run.inprocess", "--preload", "sharedstate",
+           "-m", "preloaded_demo", str(a), SEPARATOR, "-m", "preloaded_demo", str(b)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for side in (a, b):
+        assert json.loads(side.read_text()) == {"calls": 1, "before_torch": True}
 
-            class Model:  # in a reference cycle, as wrapped modules are
-                def __init__(self):
-                    self.me = self
 
-            def train(argv):
-                frozenjob_refs.collector_on.append(gc.isenabled())
-                gc.disable()
-                model = Model()
-                frozenjob_refs.models.append(weakref.ref(model))
-                gc.freeze()
-            """
-        )
-    )
-    refs = types.ModuleType("frozenjob_refs")
-    refs.models, refs.collector_on = [], []
-    monkeypatch.setitem(sys.modules, "frozenjob_refs", refs)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    runner = SideRunner()
-    try:
-        runner.run("frozenjob_demo", [])
-        assert refs.models[0]() is None and gc.get_freeze_count() == 0
-        runner.run("frozenjob_demo", [])
-        assert refs.models[1]() is None
-        assert refs.collector_on == [True, True]  # the reset turned it back on for side 2
-    finally:
-        gc.enable()
-        gc.unfreeze()
+def test_a_preload_that_fails_to_import_ends_the_rank_with_one_line(tmp_path):
+    """Exit 2, one line naming the module on stderr and beside the timing file, no side run."""
+    (tmp_path / "statejob_demo.py").write_text(SIDE)
+    (tmp_path / "broken_boot.py").write_text("raise RuntimeError('no GPU here\\nsecond line')\n")
+    a = tmp_path / "a.json"
+    cmd = [sys.executable, "-m", "parity.run.inprocess", "--timing", str(tmp_path / "t.json"),
+           "--preload", "broken_boot", "-m", "statejob_demo", str(a)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    line = "preload: cannot import 'broken_boot': RuntimeError: no GPU here"
+    assert proc.returncode == 2 and proc.stderr == f"parity: error: {line}\n"
+    assert (tmp_path / PRELOAD_ERROR).read_text() == line + "\n" and not a.exists()
+    with pytest.raises(SpecError, match=f"^{line}$"):
+        raise_preload_error(tmp_path)
+
+
+def test_a_failed_side_ends_the_rank_with_its_exit_code(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    proc = _sides_without_torchrun(tmp_path, [str(a), "3"], [str(b)])
+    assert proc.returncode == 3 and a.is_file() and not b.exists()
 
 
 def test_runner_reuses_sides_whichever_way_they_ran(tmp_path, monkeypatch):

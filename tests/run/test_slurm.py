@@ -243,6 +243,40 @@ def test_sigterm_cancels_the_allocation_and_leaves_nothing(cluster, tmp_path):
     assert not procs_mentioning(str(tmp_path)), procs_mentioning(str(tmp_path))
 
 
+SECRET_JOB = """\
+import hashlib, json, os, sys
+from pathlib import Path
+token = os.environ.get("HF_TOKEN", "").encode()
+assert hashlib.sha256(token).hexdigest() == sys.argv[2], "the job did not get its HF_TOKEN"
+out = Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+lines = [{"step": 1, "train/loss": 1.0}, {"event": "end", "steps": 1}]
+(out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in lines))
+"""
+
+
+@pytest.mark.parity
+def test_a_secret_in_env_reaches_the_job_and_no_file(cluster, tmp_path):
+    """HF_TOKEN from the spec's [env] gets to the job through Slurm, and no file of the run
+    holds it: not the step scripts (kept, readable by the nodes' users), nor any log."""
+    import hashlib
+
+    secret = "hf_" + os.urandom(8).hex()
+    (tmp_path / "job.py").write_text(SECRET_JOB)
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    (tmp_path / "spec.toml").write_text(
+        f'command = ["job.py", "{{out}}", "{digest}"]\ndistributed = false\ntimeout_s = 120\n'
+        f'[env]\nHF_TOKEN = "{secret}"\n[launcher]\nkind = "slurm"\n'
+    )
+    done = parity("pair", "--spec", "spec.toml", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    assert list(out.glob("allocation/steps/*.sh"))
+    holding = [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert holding == []
+    assert secret not in done.stdout + done.stderr and not left_queued(out)
+
+
 @pytest.mark.parity
 def test_a_killed_rank_is_failed_naming_its_node(cluster, tmp_path):
     done = parity("pair", "--spec", str(_dummy_spec(tmp_path, "sigkill")), "--out",
@@ -403,3 +437,42 @@ def test_no_slurm_tools_is_bad_input(tmp_path):
     assert "sbatch: not found: the slurm launcher runs where Slurm's client tools are" in (
         done.stderr
     )
+
+
+SECRET = "hf_secret_value_123"
+FAKE_SRUN = f"""#!/bin/bash
+[ "$HF_TOKEN" = {SECRET!r} ] && [ "$SEED" = 7 ] && echo "srun saw the job's variables"
+"""
+
+
+def test_a_step_script_holds_no_secret_and_its_job_still_gets_it(tmp_path):
+    """The step script (kept after the run, readable by the nodes' users) exports no secret: the
+    secrets go through a file of the user's only, that the step reads and removes as it starts;
+    srun still passes them to the job. Run with stand-ins for srun and scontrol."""
+    from parity.run.slurm import Allocation, Side
+    from parity.spec import LauncherSpec
+
+    launcher = LauncherSpec(kind="slurm")
+    allocation = Allocation(launcher, 1, tmp_path / "allocation")
+    (allocation.folder / "steps").mkdir(parents=True)
+    env = {"HF_TOKEN": SECRET, "SEED": "7"}
+    side = Side(["job.py"], 1, 1, tmp_path / "a.launch", 60, env, tmp_path, None, None, 1, None,
+                launcher)  # fmt: skip
+    seq = allocation.queue(side)
+    step, secrets = (allocation.folder / "steps" / f"{seq}{ext}" for ext in (".sh", ".env"))
+    assert SECRET not in step.read_text() and "SEED=7" in step.read_text()
+    assert secrets.stat().st_mode & 0o777 == 0o600
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, text in (("srun", FAKE_SRUN), ("scontrol", "#!/bin/bash\necho n1\n")):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    done = subprocess.run(["bash", str(step)], cwd=allocation.folder, timeout=60,
+                          env={**os.environ, "PATH": path, "SLURM_JOB_NODELIST": "n1"})  # fmt: skip
+    assert done.returncode == 0
+    assert "srun saw the job's variables" in (tmp_path / "a.launch" / "srun.log").read_text()
+    assert not secrets.exists()
+    written = [*allocation.folder.rglob("*"), *side.run_dir.rglob("*")]  # not the stand-ins
+    assert [p for p in written if p.is_file() and SECRET in p.read_text()] == []

@@ -258,3 +258,48 @@ def test_the_reproduce_line_masks_secrets() -> None:
         ["python", "train.py"], {"HF_TOKEN": "hf_abc", "api_key": "k", "MODE": "a b"}
     )
     assert line == "HF_TOKEN='***' api_key='***' MODE='a b' python train.py"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('command = ["train.py", "--tag", "a\\u0000b"]\n', "command[2]"),
+        ('command = ["train.py"]\n[env]\nMY_FLAG = "on\\u0000off"\n', "env['MY_FLAG']"),
+        ('command = ["train.py"]\ntorchrun_args = ["--master-port\\u0000"]\n', "torchrun_args[0]"),
+        ('command = ["train.py"]\n[b]\nenv = { X = "\\u0000" }\n', "env['X']"),
+        ('task = "charcount-sft"\noverrides = { tag = "a\\u0000" }\n', "overrides['tag']"),
+        (
+            'command = ["t.py"]\n[launcher]\nkind = "slurm"\nsbatch_args = ["\\u0000"]\n',
+            "launcher.sbatch_args[0]",
+        ),  # fmt: skip
+    ],
+    ids=["command", "env", "torchrun_args", "side-env", "overrides", "sbatch_args"],
+)
+def test_a_nul_in_a_string_that_reaches_exec_is_refused_by_parity_spec(
+    tmp_path: Path, capsys, text: str, key: str
+) -> None:
+    """exec and the environment cannot carry a NUL: refused when the spec is checked (exit 2,
+    naming the key), not at launch as an internal error."""
+    from parity.cli import main
+
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    assert main(["spec", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("parity: error: ") and f"{key} holds a NUL character" in line
+    assert str(path) in line
+
+
+def test_preload_defaults_to_the_presets_and_takes_module_names_only() -> None:
+    """What the fast paths import before forking a job: the preset's list (the charcount presets:
+    worker.boot), none for a custom command, the spec's own where given (none: [])."""
+    assert JobSpec(task="charcount-sft").preload == ["worker.boot"]
+    assert JobSpec(task="charcount-sft", preload=[]).preload == []
+    custom = JobSpec(command=["-m", "job"], preload=("transformers", "my.boot"))
+    assert custom.preload == ["transformers", "my.boot"] and JobSpec(command=["x"]).preload == []
+    assert JobSpec.from_dict(custom.to_dict()).preload == ["transformers", "my.boot"]
+    bad_lists = {"transformers": "must be a list", ("a..b",): "not a module name",
+                 ("my boot",): "not a module name", ("a", "a"): "listed twice"}  # fmt: skip
+    for bad, message in bad_lists.items():
+        with pytest.raises(SpecError, match=f"^preload.*{message}"):
+            JobSpec(command=["-m", "job"], preload=bad)

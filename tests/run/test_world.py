@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,9 @@ def _group(rank: int, size: int = 2, collectives: int | None = 7) -> dict:
     "groups, expected",
     [
         ([_group(0), _group(1)], ""),
-        ([_group(0, collectives=None), _group(1, collectives=None)], ""),  # os._exit: no count
+        ([_group(0), _group(1, collectives=None)], ""),  # one count above 0 shows the use
+        ([_group(0, collectives=None), _group(1, collectives=None)], "none left a record of using"),
+        ([_group(0, collectives=0), _group(1, collectives=None)], "1 rank(s) ended before their"),
         ([None, None], "2 processes launched, none joined a process group (each ran alone)"),
         ([_group(0), None], "2 processes launched, 1 never joined a process group"),
         ([_group(0, 1), _group(0, 1)], "joined process groups of size 1, not one group of 2"),
@@ -74,18 +77,74 @@ def _python_with_hook(tmp_path: Path, code: str, extra: dict | None = None) -> d
     return record
 
 
+def _ranks_with_hook(tmp_path: Path, code: str, n: int = 2) -> list[subprocess.Popen]:
+    """``code`` in ``n`` processes started as torchrun starts ranks, with the hook on the path;
+    RANK is in their environment and ``STORE`` a file:// rendezvous for them."""
+    world = tmp_path / "world"
+    world.mkdir(exist_ok=True)
+    head = f"STORE = 'file://{tmp_path}/store'\n"
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", head + code],
+            env={
+                **os.environ,
+                "LOCAL_RANK": str(r),
+                "RANK": str(r),
+                "WORLD_SIZE": str(n),
+                WORLD_DIR_ENV: str(world),
+                "PYTHONPATH": str(HOOK_DIR),
+            },
+        )  # fmt: skip
+        for r in range(n)
+    ]
+
+
+def _joined(tmp_path: Path) -> list[list[dict]]:
+    """Each rank record's groups, by rank."""
+    records = [json.loads(p.read_text()) for p in (tmp_path / "world").glob("*.json")]
+    return [r["joined"] for r in sorted(records, key=lambda r: r["env"]["RANK"])]
+
+
 def test_the_hook_records_the_group_and_its_collectives(tmp_path: Path) -> None:
+    """Every group of more than one rank counts (new_group's too), and a rank that ends with
+    os._exit, skipping its exit handlers, still leaves its count."""
     code = (
-        "import torch, torch.distributed as dist\n"
+        "import os, torch, torch.distributed as dist\n"
         "from torch.distributed import init_process_group\n"  # a name bound before the call
-        f"init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
-        "world_size=1)\n"
-        "t = torch.ones(1); dist.all_reduce(t); dist.all_reduce(t)\n"
-        "dist.destroy_process_group()\n"
+        "init_process_group('gloo', init_method=STORE, rank=int(os.environ['RANK']), "
+        "world_size=2)\n"
+        "g = dist.new_group([0, 1]); t = torch.ones(1)\n"
+        "dist.all_reduce(t, group=g); dist.all_reduce(t, group=g); dist.barrier()\n"
+        "os._exit(0)\n"
     )
-    record = _python_with_hook(tmp_path, code)
-    assert record["env"]["LOCAL_RANK"] == "0"
-    assert record["joined"] == [{"backend": "gloo", "world_size": 1, "rank": 0, "collectives": 2}]
+    for proc in _ranks_with_hook(tmp_path, code):
+        assert proc.wait(timeout=120) == 0
+    group = {"backend": "gloo", "world_size": 2, "collectives": 3}
+    assert _joined(tmp_path) == [[{**group, "rank": 0}], [{**group, "rank": 1}]]
+    assert judge(tmp_path / "world", 2) == ""
+
+
+def test_the_count_is_written_while_the_job_runs(tmp_path: Path) -> None:
+    """The count is on file before the ranks end: ranks SIGKILLed after their collective (no
+    exit handler, no os._exit) still read as a used group."""
+    code = (
+        "import os, time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo', init_method=STORE, rank=int(os.environ['RANK']), "
+        "world_size=2)\n"
+        "dist.all_reduce(torch.ones(1)); time.sleep(120)\n"
+    )
+    procs = _ranks_with_hook(tmp_path, code)
+    try:
+        deadline = time.monotonic() + 60
+        while [g[-1].get("collectives") if g else None for g in _joined(tmp_path)] != [1, 1]:
+            assert time.monotonic() < deadline, _joined(tmp_path)
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert judge(tmp_path / "world", 2) == ""
 
 
 def test_the_hook_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
@@ -138,6 +197,32 @@ def test_a_job_of_lone_rank_zeros_is_failed(tmp_path: Path) -> None:
     result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
     assert result.reason == "world"
     assert "size 1, not one group of 2" in result.fault and "rank 0 claimed by 2" in result.fault
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "body, fault",
+    [
+        # a group formed, nothing sent, and os._exit skipping the exit handlers: failed
+        ("pass", "none sent anything through it"),
+        # every collective through a sub-group of both ranks: that is a world
+        ("dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))\n"
+         "dist.destroy_process_group()", ""),
+    ],
+)  # fmt: skip
+def test_the_group_is_judged_by_what_went_through_any_of_its_groups(
+    tmp_path: Path, body: str, fault: str
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        f"{body}\n"
+        "os._exit(0)\n"
+    )
+    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    assert result.returncode == 0, result.describe()
+    assert (fault in result.fault) if fault else result.ok, result.describe()
 
 
 SPEC = f"""\

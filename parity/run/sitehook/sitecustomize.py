@@ -6,13 +6,20 @@ init_process_group; an accelerate script on CPU without its switch, whose group 
 nothing), and a bug that only shows at 2 ranks passes unseen. Each rank torchrun started
 (LOCAL_RANK set) writes
 ``$PARITY_WORLD_DIR/<host>-<pid>.json`` at start, again each time ``init_process_group``
-returns (the group's backend, world size and this process's rank), and once more when the group
-is destroyed or the process exits, with how many collectives went through the group: a group
-that formed but carried nothing (accelerate on CPU without its switch forms one, then trains
-each process alone) is no world either. ``parity.run.world`` judges the records after the launch.
-The user's code is not touched: ``init_process_group`` and ``destroy_process_group`` are wrapped
-when torch loads ``torch.distributed.distributed_c10d``, and a process that never imports torch
-pays nothing but this file. A sitecustomize this one shadows is loaded after it.
+returns (the group's backend, world size and this process's rank), and, while it runs, how many
+collectives went through its groups (every group of more than one rank it is in, ``new_group``'s
+included): a group that formed but carried nothing (accelerate on CPU without its switch forms
+one, then trains each process alone) is no world either. The count is read from the groups'
+sequence numbers by a daemon thread (every 0.2 s until the first collective, then every 5 s),
+and again when a group is destroyed, at exit and at ``os._exit``, so a rank that ends without
+its exit handlers still leaves the count it had reached. ``parity.run.world`` judges the
+records after the launch. The user's code is not touched: ``init_process_group`` and
+``destroy_process_group`` are wrapped when torch loads ``torch.distributed.distributed_c10d``,
+and a process that never imports torch pays nothing but this file. A sitecustomize this one
+shadows is loaded after it.
+
+A rank whose parent is the launch's torchrun also asks the kernel to SIGKILL it when that
+torchrun dies (PR_SET_PDEATHSIG), so ranks never outlive a killed launch.
 
 Standard library only; a failure here never stops the job (the launch then lacks its record,
 which the harness reports).
@@ -26,13 +33,18 @@ import socket
 import sys
 
 _DIR_ENV, _CHILD_ENV = "PARITY_WORLD_DIR", "PARITY_WORLD_CHILD"
+#: the pid of the launch's first Python process (torchrun, or the plain job): ranks it starts
+#: die with it
+_LAUNCHER_ENV = "PARITY_LAUNCHER_PID"
 _C10D = "torch.distributed.distributed_c10d"
+_FIRST_POLL_S, _POLL_S = 0.2, 5.0  # the count's polling: until the first collective, after
 _record = {}
+_state = {"gone": 0, "poller": False}  # collectives of destroyed sub-groups; the thread's start
 
 
 def _write() -> None:
     path = os.path.join(os.environ[_DIR_ENV], f"{_record['host']}-{_record['pid']}.json")
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(_record, f)
     os.replace(tmp, path)
@@ -50,29 +62,95 @@ def _joined(c10d) -> None:
         pass
 
 
+def _carried(group) -> int:
+    """Collectives ``group`` carried (its sequence number); 0 for a group of one rank, which
+    connects nobody."""
+    return 0 if group.size() < 2 else int(group._get_sequence_number_for_group())
+
+
+def _count(c10d) -> int:
+    """Collectives through every group of more than one rank this process is in, the destroyed
+    sub-groups' included."""
+    world = getattr(c10d, "_world", None)
+    groups = list(world.pg_map) if world is not None else [c10d._get_default_group()]
+    counts, error = [], None
+    for group in groups:
+        try:
+            counts.append(_carried(group))
+        except Exception as e:  # noqa: BLE001 - a backend that keeps no count: the others
+            error = e
+    if error is not None and not counts:
+        raise error
+    return _state["gone"] + sum(counts)
+
+
 def _used(c10d) -> None:
-    """How many collectives the default group has carried so far (its sequence number)."""
+    """Record how many collectives this process's groups have carried so far (written when it
+    changed); a process forked from a rank (same record, other pid) writes nothing."""
+    lock = _state.get("lock")
+    if os.getpid() != _record.get("pid") or lock is None or not lock.acquire(timeout=2):
+        return
     try:
         if c10d.is_initialized() and _record["joined"]:
-            count = c10d._get_default_group()._get_sequence_number_for_group()
-            _record["joined"][-1]["collectives"] = int(count)
-            _write()
+            count = _count(c10d)
+            if _record["joined"][-1].get("collectives") != count:
+                _record["joined"][-1]["collectives"] = count
+                _write()
+    except Exception:  # noqa: BLE001 - never break the job over its record
+        pass
+    finally:
+        lock.release()
+
+
+def _poll(c10d) -> None:
+    """The daemon thread: the count while the job runs, often until the first collective."""
+    import time
+
+    while True:
+        _used(c10d)
+        group = _record["joined"][-1] if _record["joined"] else {}
+        time.sleep(_POLL_S if group.get("collectives") else _FIRST_POLL_S)
+
+
+def _start_poller(c10d) -> None:
+    if _state["poller"]:
+        return
+    import threading
+
+    _state["poller"] = True
+    threading.Thread(target=_poll, args=(c10d,), name="parity-world", daemon=True).start()
+
+
+def _destroying(c10d, group) -> None:
+    """Before ``destroy_process_group(group)``: the count, and a sub-group's collectives kept
+    (it leaves the group map); the default group takes every group with it."""
+    world = getattr(getattr(c10d, "GroupMember", None), "WORLD", None)
+    _used(c10d)
+    try:
+        if group is None or group is world:
+            _state["gone"] = 0
+        elif c10d.is_initialized():
+            _state["gone"] += _carried(group)
     except Exception:  # noqa: BLE001
         pass
 
 
 def _wrap(c10d) -> None:
+    import threading
+
+    _state["lock"] = threading.Lock()
     init, destroy = c10d.init_process_group, c10d.destroy_process_group
 
     def init_process_group(*args, **kwargs):
         result = init(*args, **kwargs)
         _joined(c10d)
+        _start_poller(c10d)
         return result
 
     def destroy_process_group(group=None):
-        if group is None or group is getattr(getattr(c10d, "GroupMember", None), "WORLD", None):
-            _used(c10d)  # the default group, before it goes
-        return destroy(group)
+        _destroying(c10d, group)
+        with _state["lock"]:  # the poller never reads a group while it is taken apart
+            return destroy(group)
 
     for wrapper, original in ((init_process_group, init), (destroy_process_group, destroy)):
         wrapper.__wrapped__ = original
@@ -82,6 +160,20 @@ def _wrap(c10d) -> None:
     import atexit
 
     atexit.register(_used, c10d)
+    _wrap_exit(c10d)
+
+
+def _wrap_exit(c10d) -> None:
+    """``os._exit`` records the count first: it skips the exit handlers."""
+    real_exit = os._exit
+
+    def _exit(status):
+        _used(c10d)
+        real_exit(status)
+
+    _exit.__wrapped__ = real_exit
+    _exit.__doc__ = real_exit.__doc__
+    os._exit = _exit
 
 
 class _C10dFinder:
@@ -106,11 +198,42 @@ class _C10dFinder:
         return spec
 
 
+def _die_with_launcher() -> None:
+    """A rank started by the launch's torchrun: SIGKILL when it dies (Linux prctl), so a killed
+    launch leaves no rank behind. Only then: the parent of another launcher's worker (a Ray
+    raylet) is left alone, and a parent already gone leaves it to the harness's cleanup."""
+    if not sys.platform.startswith("linux") or os.environ.get(_LAUNCHER_ENV) != str(os.getppid()):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+
+
 def _start() -> None:
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
     _record.update(pid=os.getpid(), host=socket.gethostname(), env=env, joined=[])
     _write()
     sys.meta_path.insert(0, _C10dFinder())
+    _die_with_launcher()
+
+
+def fork_record(world_dir: str) -> None:
+    """In a process forked from a rank to run a job of its own (parity's in-process sides and
+    warm pools fork one per job): a record of its own from now on, in ``world_dir``, for the
+    groups it joins; the parent's record stays as it was."""
+    if not _record:
+        return  # not a rank: nothing is recorded
+    os.makedirs(world_dir, exist_ok=True)
+    os.environ[_DIR_ENV] = world_dir
+    _record.update(pid=os.getpid(), joined=[])
+    _state.update(gone=0, poller=False)
+    if "lock" in _state:
+        import threading
+
+        _state["lock"] = threading.Lock()
+    _write()
 
 
 def _chain() -> None:
@@ -130,4 +253,6 @@ if os.environ.get(_DIR_ENV) and "LOCAL_RANK" in os.environ and _CHILD_ENV not in
         _start()
     except Exception:  # noqa: BLE001
         pass
+elif os.environ.get(_DIR_ENV) and _LAUNCHER_ENV not in os.environ:
+    os.environ[_LAUNCHER_ENV] = str(os.getpid())  # the launch's first process: torchrun
 _chain()
