@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from parity.run.signals import parent_death_signal
 from parity.run.world import WORLD_DIR_ENV
 
 if TYPE_CHECKING:
@@ -312,14 +313,9 @@ def _become_job(name: str, logs: Path | None) -> None:
 
 def _die_with_parent() -> None:
     """SIGKILL this child when the warm process dies (Linux prctl), however it dies."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request
-        os._exit(1)
+    arm = parent_death_signal(os.getppid())
+    if arm is not None:
+        arm()
 
 
 def _logs_to(folder: Path) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from parity.run import world
-from parity.run.signals import deferred
+from parity.run.signals import deferred, parent_death_signal
 from parity.spec import masked_env
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
@@ -40,7 +40,6 @@ LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
 #: passed on from a harness that itself runs inside a launch
 _HOOK_STATE_ENV = ("PARITY_LAUNCHER_PID", "PARITY_WORLD_CHILD")
 _WATCHDOG = Path(__file__).resolve().parent / "watchdog.py"
-_PR_SET_PDEATHSIG = 1
 
 # torchrun arguments that configure a (multi-node) rendezvous: with these, no --standalone.
 _RDZV_FLAGS = (
@@ -485,7 +484,7 @@ def _supervise(
             proc = subprocess.Popen(
                 cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                 start_new_session=True, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=parent_death_signal(os.getpid()),
             )  # fmt: skip
             watchdog = _start_watchdog(launch_id, proc.pid)
         while True:
@@ -518,23 +517,6 @@ def _supervise(
         ended.timeout_s = round(exit_by - start, 1)
         ended.hung_after_s = exit_grace_s
     return ended
-
-
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """For Popen's preexec_fn (Linux): the child is SIGKILLed when ``parent`` dies, and ends at
-    once if it already has. None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the harness died before the signal was armed
-            os._exit(1)
-
-    return arm
 
 
 def _start_watchdog(launch_id: str, root: int) -> tuple[subprocess.Popen, int] | None:

@@ -1,4 +1,4 @@
-"""Cancellation as CI does it, and quiet closed pipes.
+"""Cancellation as CI does it, quiet closed pipes, and children that die with their parent.
 
 CI cancels a job with signals: GitHub Actions sends SIGINT, then SIGTERM; Slurm and Kubernetes
 send SIGTERM; a closed terminal sends SIGHUP. Inside ``cancellable()`` each of them raises
@@ -177,3 +177,24 @@ def quiet_closed_pipe() -> int:
         except (OSError, ValueError):
             pass
     return EXIT_CLOSED_PIPE
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+
+
+def parent_death_signal(parent: int) -> Callable[[], None] | None:
+    """What a child runs first (Popen's preexec_fn, or a forked child itself; Linux): it is then
+    SIGKILLed when ``parent`` dies, and ends at once if it already has. None elsewhere. prctl is
+    looked up here, before the fork, not in the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
