@@ -4,6 +4,9 @@
 #   bash ci/gpu-check.sh OUT [--device cuda|cpu] [--steps N] [--ppo-steps N] [--budget-s S] ...
 # Uses the project's venv when there is one, else the machine's python3 and its packages (a GPU
 # machine's own torch and transformers: the pins are not needed to run it).
+case "${1:-}" in  # -h/--help: the usage above, and nothing else
+    -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PARITY_PYTHON:-}"

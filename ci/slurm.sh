@@ -7,6 +7,10 @@
 #   bash ci/slurm.sh install        # apt-get the packages (about 12 s)
 #   bash ci/slurm.sh up DIR [NODES] # start; prints SLURM_CONF=DIR/slurm.conf when the nodes are idle
 #   bash ci/slurm.sh down DIR       # stop every daemon `up` started, by pid; nothing left running
+#   bash ci/slurm.sh --help         # this text, and nothing else
+case "${1:-}" in  # -h/--help: the usage above, and nothing else
+    -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+esac
 set -euo pipefail
 
 install() {
@@ -111,5 +115,5 @@ case "${1:-}" in
     install) install ;;
     up) up "${2:?usage: slurm.sh up DIR [NODES]}" "${3:-4}" ;;
     down) down "${2:?usage: slurm.sh down DIR}" ;;
-    *) echo "usage: slurm.sh install | up DIR [NODES] | down DIR" >&2; exit 2 ;;
+    *) echo "usage: slurm.sh install | up DIR [NODES] | down DIR | --help" >&2; exit 2 ;;
 esac

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command: make a venv from the project's own files, then run every test
 # (fast unit tests and the multi-rank `parity` ones). Usage: bash ci/test.sh [pytest args...]
+# (-h or --help first: this text, and nothing else; pytest's own help: .venv/bin/pytest --help)
+case "${1:-}" in  # -h/--help: the usage above, and nothing else
+    -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PARITY_VENV:-.venv}"

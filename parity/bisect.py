@@ -20,16 +20,26 @@ import contextlib
 import re
 import sys
 import types
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parity.check import RevisionError, git, repo_root, resolve_revision, run_in_tree, worktree
-from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
+from parity.carry import Carry, CarryItem
+from parity.check import (
+    RevisionError,
+    carry_into_revisions,
+    git,
+    repo_root,
+    resolve_revision,
+    run_in_tree,
+    worktree,
+)
+from parity.files import LAUNCH_SUFFIX, write_json_atomic
 from parity.judge.compare import Comparison, MetricResult, Policy, compare_frames, json_value
-from parity.outdir import OutDir
+from parity.outdir import OutDir, write_json_new, write_new
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
 from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
@@ -64,16 +74,18 @@ class TestedCommit:
 
 @dataclass
 class BisectResult:
-    """verdict: "found" (first_bad named), "aligned" (bad agrees with good: nothing to find),
-    or "ambiguous" (skipped commits hide it among ``candidates``)."""
+    """outcome: "found" (first_bad named), "aligned" (bad agrees with good: nothing to find),
+    or "ambiguous" (skipped commits hide it among ``candidates``); ``verdict`` is the word of
+    the verdicts table for its exit code: "aligned" (0), else "diverged" (1: bad diverges)."""
 
-    verdict: str
+    outcome: str
     good: str
     bad: str
     out: Path
     first_bad: TestedCommit | None = None
     candidates: list[str] = field(default_factory=list)
     tested: list[TestedCommit] = field(default_factory=list)
+    carried: list[dict[str, Any]] = field(default_factory=list)  # parity.carry: path, size, sha256
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, non-finite floats as strings."""
@@ -83,20 +95,37 @@ class BisectResult:
 
         return {
             "verdict": self.verdict,
+            "outcome": self.outcome,
             "good": self.good,
             "bad": self.bad,
             "out": str(self.out),
             "first_bad": clean(self.first_bad),
             "candidates": self.candidates,
             "tested": [clean(t) for t in self.tested],
+            "carried": self.carried,
         }
+
+    @property
+    def verdict(self) -> str:
+        """The verdict of the table (README, docs/verdicts.md) the exit code says: "aligned" (0)
+        when bad agrees with good, else "diverged" (1), a first bad commit named or not."""
+        return "aligned" if self.outcome == "aligned" else "diverged"
+
+    def verdict_line(self) -> str:
+        """`verdict: ...` as `parity bisect` ends: the table's word, then what was found."""
+        said = f"runs and bisect.json in {self.out}"
+        if self.first_bad is not None:
+            said = f"first bad commit {self.first_bad.commit[:12]}; {said}"
+        elif self.outcome == "ambiguous":
+            said = f"first bad commit one of {len(self.candidates)} candidates; {said}"
+        return f"verdict: {self.verdict}  ({said})"
 
     def text(self) -> str:
         """What a person reads: the culprit, where it first diverged, and what was tested."""
         lines = []
-        if self.verdict == "aligned":
+        if self.outcome == "aligned":
             lines.append(f"bad {self.bad[:12]} is aligned with good {self.good[:12]}: no culprit")
-        elif self.verdict == "ambiguous":
+        elif self.outcome == "ambiguous":
             lines.append("skipped commits (failed runs) hide the first bad commit; one of:")
             lines += [f"  {c}" for c in self.candidates]
         t = self.first_bad
@@ -168,6 +197,7 @@ def _test_commit(
     policies: dict[str, Policy | str],
     skip_failed: bool = True,
     reading: _Reading | None = None,
+    carry: Carry | None = None,
 ) -> TestedCommit:
     """Run the spec in ``tree`` (at some commit), compare with the reference, record the verdict
     in out/commits/<sha>/verdict.json. A failed or unreadable run is "skipped" (with
@@ -175,8 +205,10 @@ def _test_commit(
     commit = _git(tree, "rev-parse", "HEAD")
     run_dir = out / "commits" / commit[:12]
     tested = TestedCommit(commit, _subject(tree, commit), "skipped", run=str(run_dir))
+    if carry is not None:
+        carry.into(tree)  # again where the last commit's run changed the copies
     try:
-        run_in_tree(spec, tree, run_dir, label=f"commit {commit[:12]}")
+        run_in_tree(spec, tree, run_dir, label=f"commit {commit[:12]}", carry=carry)
         comparison = (reading or _Reading()).compare(reference, run_dir, policies)
     except (LaunchError, MetricsError) as e:
         if not skip_failed:
@@ -205,13 +237,15 @@ class _Bisection:
     good: str
     bad: str
     total: int  # about how many commits it tests, the bad one included (for progress lines)
+    carry: Carry | None = None  # parity.carry: the inputs copied into the worktree
     tested: dict[str, TestedCommit] = field(default_factory=dict)
 
     def test(self, tree: Path, skip_failed: bool = True) -> TestedCommit:
         """Test the commit checked out in ``tree``; one progress line on stderr."""
         t = _test_commit(
-            self.spec, tree, self.reference, self.out, self.policies, skip_failed, self.reading
-        )
+            self.spec, tree, self.reference, self.out, self.policies, skip_failed, self.reading,
+            self.carry,
+        )  # fmt: skip
         self.tested[t.commit] = t
         self.total = max(self.total, len(self.tested))
         _say(f"[{len(self.tested)}/~{self.total}] {t.commit[:12]} {t.subject}: {t.verdict}")
@@ -219,7 +253,10 @@ class _Bisection:
 
     def result(self, verdict: str, **kw: Any) -> BisectResult:
         tested = list(self.tested.values())
-        return BisectResult(verdict, self.good, self.bad, self.out, tested=tested, **kw)
+        carried = [c.to_dict() for c in self.carry.carried] if self.carry is not None else []
+        return BisectResult(
+            verdict, self.good, self.bad, self.out, tested=tested, carried=carried, **kw
+        )
 
 
 def _job_spec(spec: JobSpec | str | Path) -> JobSpec:
@@ -243,14 +280,18 @@ def bisect(
     run: str | None = None,
     duplicates: str = "error",
     allow_skipped: bool = False,
+    carry: Sequence[CarryItem | str] = (),
 ) -> BisectResult:
     """Find the first commit in good..bad whose run diverges from good's run.
 
     Writes the reference run to out/good, each tested commit's run and verdict.json to
     out/commits/<sha>, and out/bisect.json and out/bisect.log; one progress line per tested
     commit on stderr. fmt, run, duplicates, allow_skipped: how the reference and each tested run
-    are read and compared, as `parity compare` takes them. Raises RevisionError (bad repo or
-    revisions), SpecError, or LaunchError when the good or the bad revision's run fails.
+    are read and compared, as `parity compare` takes them. carry: paths git ignores copied
+    read-only from the checkout into every tested commit's worktree (parity.carry), refused up
+    front where good, bad or a commit between them tracks one. Raises RevisionError (bad repo
+    or revisions), SpecError, CarryError, or LaunchError when the good or the bad revision's run
+    fails.
     """
     reading = _Reading(fmt, run, duplicates, allow_skipped)
     reading.check()
@@ -263,12 +304,14 @@ def bisect(
         _git(root, "merge-base", "--is-ancestor", good_c, bad_c)
     except RevisionError:
         raise RevisionError(f"good {good!r} is not an ancestor of bad {bad!r}") from None
+    carried = carry_into_revisions(root, carry, {"good": good_c, "bad": bad_c})
+    carried.check_range(good_c, bad_c)
     out = Path(out).resolve()
     with OutDir.open(out) as held:
         held.claim(*BISECT_ENTRIES)  # refused if an earlier bisect's or the user's is in the way
         held.make_dir("commits")
         with holding(spec, held) as shared:  # Slurm: every probe on the same nodes
-            return _bisect(spec, root, good_c, bad_c, out, policies, reading, shared)
+            return _bisect(spec, root, good_c, bad_c, out, policies, reading, shared, carried)
 
 
 #: what a bisection writes in its folder: the reference run, the tested commits' runs and
@@ -287,18 +330,22 @@ def _bisect(
     policies: dict[str, Policy | str] | None,
     reading: _Reading,
     shared: Path | None = None,
+    carry: Carry | None = None,
 ) -> BisectResult:
     """The bisection itself; ``shared``: where the worktrees go (a Slurm launcher's folder on
-    the file system the nodes share), default the system's temp folder."""
+    the file system the nodes share), default the system's temp folder; ``carry``: the inputs
+    copied into each worktree."""
     reference = out / "good"
     with worktree(root, good_c, shared) as tree:
         _say(f"reference run of good {good_c[:12]} {_subject(root, good_c)}")
-        run_in_tree(spec, tree, reference, label=f"good {good_c[:12]}")
+        if carry is not None:
+            carry.into(tree)
+        run_in_tree(spec, tree, reference, label=f"good {good_c[:12]}", carry=carry)
     if reading.frame(reference).attrs.get("complete") is False:  # fail once, not in every step
         raise MetricsError(f"{reference / 'metrics.jsonl'}: the good run is incomplete")
     state = _Bisection(
         spec, reference, out, dict(policies or {}), reading, good_c, bad_c,
-        _expected_tests(root, good_c, bad_c),
+        _expected_tests(root, good_c, bad_c), carry,
     )  # fmt: skip
     with worktree(root, bad_c, shared) as tree:
         _say(f"checking that bad {bad_c[:12]} diverges")
@@ -306,7 +353,7 @@ def _bisect(
             result = state.result("aligned")
         else:
             result = _bisect_in(tree, state)
-    write_json_atomic(out / "bisect.json", result.to_dict())
+    write_json_new(out / "bisect.json", result.to_dict())
     return result
 
 
@@ -363,7 +410,7 @@ def _only_skipped_left(tree: Path) -> list[str] | None:
 
 def _save_log(tree: Path, out: Path) -> None:
     with contextlib.suppress(RevisionError):
-        write_text_atomic(out / "bisect.log", _git(tree, "bisect", "log") + "\n")
+        write_new(out / "bisect.log", _git(tree, "bisect", "log") + "\n")
 
 
 def _say(text: str) -> None:

@@ -13,21 +13,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from parity.carry import Carry, CarryItem, carry_items
 from parity.errors import InputError
 from parity.files import launch_dir
 from parity.judge.compare import Comparison, Policy
 from parity.judge.diagnose import Diagnosis
-from parity.outdir import OutDir
+from parity.outdir import OutDir, write_json_new
 from parity.pair import teardown_line, teardown_notes, teardown_verdict, topology_notes
 from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
 from parity.report import Report, build_report
-from parity.run.job import detected, holding, launch_spec, mark_teardown
+from parity.run.job import detected, holding, launch_spec, mark_teardown, no_run_line
 from parity.run.launch import LaunchError, LaunchResult
 from parity.run.signals import deferred
 from parity.spec import READ_OPTIONS, JobSpec
@@ -58,6 +59,7 @@ class CheckResult:
     teardown: list[tuple[str, LaunchResult]] = field(default_factory=list)  # (side, launch)
     allow_teardown_failure: bool = False
     diagnosis: Diagnosis | None = None  # parity.judge.diagnose, computed once, for the report
+    carried: list[dict[str, Any]] = field(default_factory=list)  # parity.carry: path, size, sha256
 
     @property
     def verdict(self) -> str:
@@ -124,11 +126,29 @@ def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Pa
             path = tmp / commit[:12]
             hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch it
             git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
+        _TEMPORARY[path] = repo
         yield path
     finally:  # cleanup errors must not hide the error that brought us here
         if tmp is not None:
+            _TEMPORARY.pop(tmp / commit[:12], None)
             with deferred():
                 _remove_worktree(repo, tmp, tmp / commit[:12])
+
+
+#: the temporary worktrees that exist now (``worktree``), each with its repository: a run in
+#: one records how to make it again (``origin``), since it is gone once the run is reported
+_TEMPORARY: dict[Path, Path] = {}
+
+
+def origin(tree: Path) -> dict[str, Any]:
+    """What the report needs to rerun a job that ran in ``tree`` once that is gone: for one of
+    ``worktree``'s temporary worktrees, its repository, the commit checked out there now (bisect
+    moves it) and its path (named in the job's command); {} for any other folder."""
+    repo = _TEMPORARY.get(tree)
+    if repo is None:
+        return {}
+    commit = git(tree, "rev-parse", "HEAD")
+    return {"worktree": {"repo": str(repo), "commit": commit, "path": str(tree)}}
 
 
 def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
@@ -153,28 +173,41 @@ def run_in_tree(
     run_dir: Path,
     allow_teardown: bool = False,
     label: str | None = None,
+    carry: Carry | None = None,
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
     run_dir is made new (parity.run.job.launch_spec: one already there is refused, never
     removed, so nothing an earlier run left is read as this run's). allow_teardown: a run that
     failed only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
-    reason, for the caller to compare and report.
+    reason, for the caller to compare and report. carry: the inputs copied into ``tree``
+    (parity.carry); a run that changed them failed, whatever its exit.
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
     label = label or run_dir.name
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"PYTHONPATH": os.pathsep.join(paths)}
-    result = launch_spec(spec, run_dir, label, cwd=tree, env=env)
+    result = launch_spec(spec, run_dir, label, cwd=tree, env=env, origin=origin(tree))
     if not result.ok:
         whole = mark_teardown(result, run_dir / "metrics.jsonl", result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash
+            _hint_carry(result, tree, carry)
             raise LaunchError(result, label)
     elif not detected(run_dir):
-        result.set_fault("no-output", f"the job exited 0 but wrote no run this tool reads in "
-                         f"{run_dir}")  # fmt: skip
+        result.set_fault("no-output", no_run_line(run_dir))
+        raise LaunchError(result, label)
+    if carry is not None and (changed := carry.changed(tree)):
+        result.set_fault("carried-input", changed)
         raise LaunchError(result, label)
     return result
+
+
+def _hint_carry(result: LaunchResult, tree: Path, carry: Carry | None) -> None:
+    """A crash on a file the checkout has but git does not track: say to carry it."""
+    logs = "\n".join(f.log_tail for f in result.failures)
+    hint = carry.hint(tree, logs) if carry is not None else ""
+    if hint:
+        result.note = f"{result.note}\n{hint}" if result.note else hint
 
 
 def _dirty(repo: Path) -> bool:
@@ -191,6 +224,7 @@ def check_revisions(
     policies: Mapping[str, Policy | str] | None = None,
     allow_teardown_failure: bool = False,
     read: Mapping[str, Any] | None = None,
+    carry: Sequence[CarryItem | str] = (),
 ) -> CheckResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
 
@@ -200,11 +234,14 @@ def check_revisions(
     wrote bad metrics). A run that failed only at teardown is compared anyway and named in
     ``result.teardown``; the verdict is then "failed" unless allow_teardown_failure, as in
     `parity pair`. read: how each side is read (spec.READ_OPTIONS: format, run, duplicates,
-    allow_skipped).
+    allow_skipped). carry: paths git ignores copied read-only from the checkout into both
+    worktrees (parity.carry; each refused up front where it is not such an input), recorded in
+    summary.json and the report.
     """
     root = repo_root(Path(repo or Path.cwd()))
     revs = {"base": base, "head": head or "HEAD"}
     commits = {side: resolve_revision(root, rev) for side, rev in revs.items()}
+    carried = carry_into_revisions(root, carry, commits)
     notes = [f"{side} = {revs[side]} = {commits[side]}" for side in revs]
     notes.append("each side ran in `git worktree add --detach DIR COMMIT`, cwd DIR, PYTHONPATH=DIR")
     if head is None and _dirty(root):
@@ -216,20 +253,46 @@ def check_revisions(
     labels = [f"{side} {revs[side]} ({commits[side][:12]})" for side in revs]
     launches = {}
     with OutDir.open(out) as held:
-        held.claim(*_run_names(dirs.values()))
+        held.claim(*_run_names(dirs.values()), "summary.json")
         with holding(spec, held) as shared:  # Slurm: both revisions on the same nodes
             for side, label in zip(revs, labels, strict=True):
                 with worktree(root, commits[side], shared) as tree:
-                    launches[side] = run_in_tree(spec, tree, dirs[side], True, label=label)
+                    carried.into(tree)
+                    launches[side] = run_in_tree(spec, tree, dirs[side], True, label, carried)
         notes += topology_notes(dirs["base"], dirs["head"], "")
         report = build_report(
             dirs["base"], dirs["head"], policies, labels=labels, notes=notes, **_read(read)
         )
+        report.carried = [c.line() for c in carried.carried]
         result = CheckResult(
             report.comparison, out / "report.md", dirs["base"], dirs["head"], commits["base"],
             commits["head"], _failed(launches), allow_teardown_failure,
         )  # fmt: skip
+        result.carried = [c.to_dict() for c in carried.carried]
+        _write_summary(result, out)
         return _written(result, report, out)
+
+
+def carry_into_revisions(
+    root: Path, carry: Sequence[CarryItem | str], commits: Mapping[str, str]
+) -> Carry:
+    """The inputs to carry into each revision's worktree, refused before anything runs where
+    one is missing, outside the repository, or tracked by (in the way of) a revision."""
+    items = [i if isinstance(i, CarryItem) else carry_items([i], "carry")[0] for i in carry]
+    carried = Carry.of(root, items)
+    for name, commit in commits.items():
+        carried.check_revision(commit, name)
+    carried.check_checkout()
+    return carried
+
+
+def _write_summary(result: CheckResult, out: Path) -> None:
+    """summary.json: the verdict, the two commits and the inputs carried into both."""
+    summary = {
+        "verdict": result.verdict, "base": result.a_rev, "head": result.b_rev,
+        "carried": result.carried,
+    }  # fmt: skip
+    write_json_new(out / "summary.json", summary)
 
 
 def _run_names(dirs) -> list[str]:

@@ -30,6 +30,7 @@ from parity.spec import (
     JobSpec,
     PairSpec,
     SpecError,
+    load_check_options,
     load_policies,
     load_read_options,
     load_spec,
@@ -334,6 +335,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.golden is not None:
         if args.base or args.head:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
+        if args.carry:
+            raise SpecError("--golden runs the current tree as it is; it takes no --carry")
         result = check_golden(
             loaded, Path(args.golden), out, policies=policies, read=read,
             allow_teardown_failure=args.allow_teardown_failure,
@@ -341,7 +344,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     elif args.base:
         result = check_revisions(
             loaded, args.base, args.head, out, policies=policies, read=read,
-            allow_teardown_failure=args.allow_teardown_failure,
+            allow_teardown_failure=args.allow_teardown_failure, carry=_carry(args),
         )  # fmt: skip
     else:
         raise SpecError("check needs --base REV (and optionally --head REV) or --golden FILE")
@@ -350,6 +353,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"runs: {result.a_dir}  {result.b_dir}")
         print(f"report: {html}  {result.report}")
     extra = {"a_rev": result.a_rev, "b_rev": result.b_rev, "out": str(out), "report": str(html)}
+    extra["carried"] = result.carried
     extra["diagnosis"] = (
         result.diagnosis.to_dict()
         if result.diagnosis is not None
@@ -371,6 +375,18 @@ def _run_read_options(args: argparse.Namespace) -> dict:
     return {**read, **{k: v for k, v in given.items() if v is not None}}
 
 
+def _carry(args: argparse.Namespace) -> list:
+    """The paths check and bisect copy into each worktree: the spec's [check] carry, then
+    --carry; each named by where it was given, for its error."""
+    from parity.carry import carry_items
+
+    from_spec = load_check_options(args.spec)["carry"]
+    return [
+        *carry_items(from_spec, f"{args.spec}: [check] carry"),
+        *carry_items(args.carry, "--carry"),
+    ]
+
+
 def cmd_bisect(args: argparse.Namespace) -> int:
     from parity.bisect import bisect
 
@@ -383,13 +399,13 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     result = bisect(
         loaded, args.good, args.bad, Path(args.out), policies=policies,
         fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
-        allow_skipped=read["allow_skipped"],
+        allow_skipped=read["allow_skipped"], carry=_carry(args),
     )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
     else:
         print(result.text())
-        print(f"verdict: {result.verdict}  (runs and bisect.json in {result.out})")
+        print(result.verdict_line())
     return EXIT_ALIGNED if result.verdict == "aligned" else EXIT_DIVERGED
 
 
@@ -430,11 +446,28 @@ def cmd_spec(args: argparse.Namespace) -> int:
     loaded = load_spec(args.file)
     load_policies(args.file)
     load_read_options(args.file)
+    load_check_options(args.file)
+    if args.command:
+        return _print_commands(loaded)
     if isinstance(loaded, PairSpec):
         a, b = loaded.sides()
         print(json.dumps({"a": a.shown(), "b": b.shown()}, indent=2))
     else:
         print(json.dumps(loaded.shown(), indent=2))
+    return 0
+
+
+def _print_commands(loaded: JobSpec | PairSpec) -> int:
+    """Each side's launch line, `{out}` made OUT/a (a job: OUT), as `pair` would run it here
+    (check and bisect: in each revision's worktree, PYTHONPATH on it); nothing is run."""
+    from parity.run.job import launch_line
+
+    sides = dict(zip("ab", loaded.sides(), strict=True)) if isinstance(loaded, PairSpec) else {}
+    print(f"# in {Path.cwd()} (check, bisect: a worktree of each revision); OUT: --out DIR")
+    if not sides:
+        print(launch_line(loaded, Path("OUT")))
+    for side, spec in sides.items():
+        print(f"# side {side}\n{launch_line(spec, Path('OUT') / side)}")
     return 0
 
 
@@ -467,6 +500,21 @@ def cmd_tasks(args: argparse.Namespace) -> int:
             print(f"    preload: {', '.join(task.preload)}")
     if len(names()) == 1:
         print(f"(no presets: no installed package registers one in {TASK_GROUP})")
+    return 0
+
+
+def cmd_ci(args: argparse.Namespace) -> int:
+    """Print the CI recipe (parity.ci) for the spec, after checking it as `parity spec` does."""
+    from parity import ci
+
+    ci.check_spec(args.spec)
+    spec, warning = ci.spec_in_repo(args.spec)
+    if warning:
+        print(f"parity: warning: {warning}", file=sys.stderr)
+    given = {"install": args.install, "project_install": args.project_install}
+    given["python"] = args.python
+    kept = {k: v for k, v in given.items() if v is not None}  # None: the recipe's default
+    print(ci.render(spec, args.format, args.base, **kept), end="")
     return 0
 
 
@@ -552,6 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
     _launcher_argument(check)
     _run_read_arguments(check)
+    _carry_argument(check)
     check.set_defaults(func=cmd_check)
 
     bis = sub.add_parser(
@@ -563,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
     _launcher_argument(bis)
     _run_read_arguments(bis)
+    _carry_argument(bis)
     bis.set_defaults(func=cmd_bisect)
 
     onpolicy = sub.add_parser(
@@ -591,6 +641,11 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument(
         "--example", action="store_true", help="print a spec with every key and its default"
     )
+    spec.add_argument(
+        "--command",
+        action="store_true",
+        help="print each side's command as launched (runs nothing)",
+    )
     spec.set_defaults(func=cmd_spec)
 
     mutants = sub.add_parser("mutants", help="list the mutants installed packages register")
@@ -600,6 +655,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     presets = sub.add_parser("tasks", help="list the task presets installed packages register")
     presets.set_defaults(func=cmd_tasks)
+
+    ci = sub.add_parser(
+        "ci",
+        help="print a CI workflow (GitHub Actions) or bash script that runs `parity check` of "
+        "HEAD against its merge base with the spec",
+    )
+    _ci_arguments(ci)
+    ci.set_defaults(func=cmd_ci)
 
     for s in (pair, compare, report, check, bis):
         s.add_argument(
@@ -615,6 +678,48 @@ def build_parser() -> argparse.ArgumentParser:
             "at 4 decimals'; without it an exact policy on a rounded log is 'imprecise' (exit 5)",
         )  # fmt: skip
     return p
+
+
+def _ci_arguments(parser: argparse.ArgumentParser) -> None:
+    """`parity ci`: the spec, the base, the format and the lines that install."""
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        required=True,
+        help="the TOML/YAML job spec CI checks (checked now, as `parity spec` does)",
+    )
+    parser.add_argument(
+        "--base",
+        default=None,
+        metavar="REF",
+        help="the branch whose merge base with HEAD is side A, e.g. origin/main (default: "
+        "github: the pull request's target branch; script: origin/main)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("github", "script"),
+        default="github",
+        help="github: a GitHub Actions workflow (default); script: bash for any CI",
+    )
+    parser.add_argument(
+        "--install",
+        default=None,
+        metavar="CMD",
+        help="the line that installs the harness (default: pip install llm-parity; '' leaves "
+        "it out)",
+    )
+    parser.add_argument(
+        "--project-install",
+        default=None,
+        metavar="CMD",
+        help="your project's own install line, to edit (default: pip install -e .)",
+    )
+    parser.add_argument(
+        "--python",
+        default=None,
+        metavar="VERSION",
+        help="github: setup-python's python-version (default 3.11)",
+    )
 
 
 def _job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -644,6 +749,14 @@ def _launcher_argument(parser: argparse.ArgumentParser) -> None:
         "--launcher", choices=LAUNCHER_KINDS, default=None,
         help="where the torchruns run: local (this machine, default) or slurm (sbatch from "
         "here; the spec's [launcher] table sets nodes, partition, time, sbatch_args)",
+    )  # fmt: skip
+
+
+def _carry_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--carry", action="append", default=[], metavar="PATH",
+        help="a path git ignores (a dataset), copied read-only from this checkout into each "
+        "revision's worktree (repeatable; beside the spec's [check] carry)",
     )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ from parity.record.files import write_text_atomic
 __all__ = ["launch_dir", "write_json_atomic", "write_text_atomic"]
 
 LAUNCH_SUFFIX = ".launch"
+#: in a launch folder: the folder the job ran in, and the worktree it was (report: Reproduce)
+REPRODUCE_FILE = "reproduce.json"
 
 
 def launch_dir(run_dir: Path) -> Path:

@@ -20,7 +20,9 @@ share the holder's lock.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -143,6 +145,37 @@ class OutDir:
         """A name of its own in the folder: an ``--out`` of ``/`` or ``X/.parity-out`` is none."""
         if not name or "/" in name or name in (".", "..", LEDGER_DIR):
             raise OutputError(f"{self.root}: not an entry name: {name!r}; choose another --out")
+
+
+_made_here: set[tuple[int, int]] = set()  # (device, inode) of each file write_new made
+
+
+def write_new(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``path`` whole (a temp file, then a hard link to the name, which fails where anything
+    is there): a file the user put under a name after it was claimed is never replaced, but
+    refused (OutputError); a file this process made with ``write_new`` is replaced atomically."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are read by others
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) not in _made_here:
+                raise OutputError(_taken(path)) from None
+            os.replace(tmp, path)
+        st = os.lstat(path)
+        _made_here.add((st.st_dev, st.st_ino))
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def write_json_new(path: str | os.PathLike[str], obj: object) -> None:
+    """``write_new`` of a summary-style JSON file (indented, sorted keys, no NaN)."""
+    write_new(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def free_name(folder: Path, name: str, *suffixes: str) -> str:

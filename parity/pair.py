@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from parity.files import LAUNCH_SUFFIX, write_json_atomic, write_text_atomic
+from parity.files import LAUNCH_SUFFIX
 from parity.judge import topology
 from parity.judge.compare import Comparison, Policy, compare_frames, printable
 from parity.judge.diagnose import Diagnosis, diagnose
 from parity.judge.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
-from parity.outdir import OutDir
+from parity.outdir import OutDir, write_json_new, write_new
 from parity.run import job
 from parity.run.job import Run
 from parity.run.launch import LaunchResult
@@ -385,7 +385,7 @@ def write_summary(result: PairResult) -> None:
     if any(where.values()):
         summary["topology"] = {**where, "line": topology.line(where["a"], where["b"],
                                                                result.verdict)}  # fmt: skip
-    write_json_atomic(result.dir / "summary.json", summary)
+    write_json_new(result.dir / "summary.json", summary)
     note = f"\n{result.teardown_line()}\n" if result.teardown else ""
     if summary.get("topology", {}).get("line"):
         note += f"\n{summary['topology']['line']}\n"
@@ -394,7 +394,7 @@ def write_summary(result: PairResult) -> None:
     table = result.comparison.table()  # in a fence longer than any backtick run: a metric name
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", table)), default=0))
     text = f"# parity: {result.verdict}\n{note}\n{fence}\n{table}\n{fence}\n"  # can't close it
-    write_text_atomic(result.dir / "summary.md", text)
+    write_new(result.dir / "summary.md", text)
 
 
 def write_pair_report(result: PairResult) -> Path:

@@ -128,7 +128,7 @@ class ParityRunner:
     (tests/run/test_pool.py, tests/run/test_inprocess.py), so later tests of the same spec reuse it.
     """
 
-    def __init__(self, base_dir: Path, pool: bool = False):
+    def __init__(self, base_dir: Path, pool: bool = False, config: pytest.Config | None = None):
         from parity.outdir import OutDir
         from parity.run.pool import Pools
 
@@ -141,28 +141,41 @@ class ParityRunner:
         self._separate: dict[tuple, object] = {}  # launched alone, where _runs holds in-process
         self._in_process: dict[tuple, object] = {}  # pair_in_process results, by both keys
         self._count = 0
+        self.test_name: str | None = None  # the test running now, where no config says it
+        self._config = config  # the session's: the test running now (pytest_runtest_protocol)
+        self._jobs_of: dict[str, int] = {}  # runs named after each test so far
 
     def close(self) -> None:
         """Stop the warm pools (the session fixture calls this at the end)."""
         if self.pools is not None:
             self.pools.close()
 
-    def _folder(self, name: str) -> Path:
+    def _folder(self, name: str, kind: str = "") -> Path:
         """A run folder's path whose name, and its launch folder's, are free: a kept DIR's runs
-        from an earlier session stay and are never reused."""
+        from an earlier session stay and are never reused. Named after the test running now
+        (its node name, then a letter per run it makes: test_x-a, test_x-b; ``kind``: what
+        the run is, "repeat"), else ``name`` after a session-wide counter (000-name)."""
         from parity.files import LAUNCH_SUFFIX
         from parity.outdir import free_name
 
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-        self._count += 1
-        name = f"{self._count - 1:03d}-{name}"
+        now = self._config.stash.get(_TEST_NAME, None) if self._config is not None else None
+        test = re.sub(r"[^A-Za-z0-9_.-]+", "-", now or self.test_name or "").strip("-.")
+        if test:
+            n = self._jobs_of.get(test, 0)
+            self._jobs_of[test] = n + 1
+            name = "-".join(filter(None, [test, _letters(n), kind]))
+        else:
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "-", "-".join(filter(None, [name, kind])))
+            self._count += 1
+            name = f"{self._count - 1:03d}-{name}"
         suffixes = (LAUNCH_SUFFIX, "-alone", "-alone" + LAUNCH_SUFFIX)  # see job()
         return self.base_dir / free_name(self.base_dir, name, *suffixes)
 
     @staticmethod
     def _key(spec: JobSpec) -> tuple:
         launcher = (spec.world_size, spec.nnodes, tuple(spec.torchrun_args))
-        return tuple(spec.to_args(Path("{out}"))) + launcher
+        env = (spec.distributed, tuple(sorted(spec.env.items())))  # sides apart by env only
+        return tuple(spec.to_args(Path("{out}"))) + launcher + env
 
     def job(self, spec: JobSpec, separate: bool = False):
         """The run of `spec`; separate=True: one launched on its own, never a pooled or
@@ -234,8 +247,8 @@ class ParityRunner:
         from parity.run.job import run_job
 
         a = self.job(spec, separate=True)
-        name = f"{spec.task}-{spec.variant}-w{spec.world_size}-repeat"
-        return floor_of(a, run_job(spec, self._folder(name)), policies)
+        name = f"{spec.task}-{spec.variant}-w{spec.world_size}"
+        return floor_of(a, run_job(spec, self._folder(name, "repeat")), policies)
 
     def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
         """Both sides in one launch, always (cached as such): for tests of the mode itself."""
@@ -246,9 +259,32 @@ class ParityRunner:
         key = (self._key(spec_a), self._key(spec_b))
         if key not in self._in_process:
             name = f"{spec_a.task}-{spec_a.variant}-vs-{spec_b.variant}-w{spec_a.world_size}"
-            self._in_process[key] = run_pair_in_process(pair, self._folder(name + "-in-process"))
+            self._in_process[key] = run_pair_in_process(pair, self._folder(name, "in-process"))
         a, b = self._in_process[key]
         return compare_pair(a, b, a.dir.parent, policies)
+
+
+def _letters(n: int) -> str:
+    """0 -> a, 25 -> z, 26 -> aa: the runs of one test, in the order it made them."""
+    out = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        out = chr(ord("a") + r) + out
+    return out
+
+
+_TEST_NAME = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """The test running now, for the names of the run folders it makes (ParityRunner)."""
+    item.config.stash[_TEST_NAME] = item.name
+    try:
+        return (yield)
+    finally:
+        del item.config.stash[_TEST_NAME]
 
 
 @pytest.fixture(scope="session")
@@ -259,7 +295,8 @@ def parity_runner(request: pytest.FixtureRequest, tmp_path_factory) -> Iterator[
     base = Path(keep).resolve() if keep else tmp_path_factory.mktemp("parity-runs")
     with OutDir.open(base):  # held for the session: run folders made new, nothing removed
         _cancellable(request.config, base)
-        runner = ParityRunner(base, pool=not request.config.getoption("--parity-no-pool"))
+        pool = not request.config.getoption("--parity-no-pool")
+        runner = ParityRunner(base, pool=pool, config=request.config)
         try:
             yield runner
         finally:

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from parity.files import launch_dir, write_text_atomic
+from parity.files import REPRODUCE_FILE, launch_dir
 from parity.judge.compare import (
     ULP_MAX,
     Comparison,
@@ -39,7 +40,7 @@ from parity.judge.compare import (
 )
 from parity.judge.diagnose import Diagnosis, diagnose
 from parity.judge.golden import read_manifest
-from parity.outdir import OutDir
+from parity.outdir import OutDir, write_new
 from parity.readers import MetricsError, present_mask, read_metrics
 
 __all__ = ["Report", "Side", "build_report", "load_side", "side_of", "write_report"]
@@ -115,14 +116,71 @@ def side_of(frame: pd.DataFrame, path: str | os.PathLike[str], label: str) -> Si
             first = f.readline(1 << 20).rstrip("\n")
     except OSError:  # no launcher.log (or none that can be read): no launcher command
         first = ""
+    ran_in = _ran_in(run_dir)
     if first.startswith("# "):
         how = "torchrun" if "torch.distributed.run" in first else "one plain process"
-        side.commands.append((f"launcher ({how})", first[2:]))
+        side.commands += _setup(ran_in)
+        side.commands.append((f"launcher ({how})", _moved(first[2:], ran_in)))
     environment = side.manifest.get("environment")
     argv = environment.get("argv") if isinstance(environment, dict) else None
     if isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv):
-        side.commands.append(("job sys.argv on rank 0", shlex.join(argv)))
+        side.commands.append((_ARGV, _moved(shlex.join(argv), ran_in)))
     return side
+
+
+_ARGV = "job sys.argv on rank 0"  # what the job saw, not a command: a comment in report.md
+
+
+def _ran_in(run_dir: Path) -> dict[str, str]:
+    """Where the launch ran (parity.run.job.launch_spec's reproduce.json): ``cwd``, and for a
+    temporary worktree of check or bisect, gone by now, its ``repo``, ``commit`` and ``path``;
+    {} for a run without it (an older one, one the harness did not launch) or a damaged one."""
+    try:
+        found = json.loads((launch_dir(run_dir) / REPRODUCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    tree = found.get("worktree")
+    keys = ("repo", "commit", "path")
+    if isinstance(tree, dict) and all(isinstance(tree.get(k), str) and tree[k] for k in keys):
+        return {k: tree[k] for k in keys}
+    cwd = found.get("cwd")
+    return {"cwd": cwd} if isinstance(cwd, str) and cwd else {}
+
+
+def _script_line(what: str, command: str) -> str:
+    """A command as a line of report.md's script: the job's argv only as a comment."""
+    return f"# {what}: " + command.replace("\n", "\\n") if what == _ARGV else command
+
+
+def _fresh_tree(ran_in: Mapping[str, str]) -> str:
+    """Where the report's commands make the worktree again: beside the system's temp files."""
+    return os.path.join(tempfile.gettempdir(), f"parity-{ran_in['commit'][:12]}")
+
+
+def _setup(ran_in: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The commands before the launcher's: make the revision's worktree again (check's and
+    bisect's was removed after the run) and cd into it, or cd into the folder the job ran in."""
+    q = shlex.quote
+    if "commit" in ran_in:
+        tree, repo, commit = _fresh_tree(ran_in), ran_in["repo"], ran_in["commit"]
+        return [
+            ("make the revision's worktree (the run's own was removed after it)",
+             f"git -C {q(repo)} worktree add --detach {q(tree)} {q(commit)}"),
+            ("in it", f"cd {q(tree)}"),
+        ]  # fmt: skip
+    if "cwd" in ran_in:
+        return [("in the folder it ran in", f"cd {q(ran_in['cwd'])}")]
+    return []
+
+
+def _moved(command: str, ran_in: Mapping[str, str]) -> str:
+    """``command`` with the removed worktree's path (its cwd, PYTHONPATH, a script in it) made
+    the path ``_setup`` makes it again at."""
+    if "commit" not in ran_in:
+        return command
+    return command.replace(ran_in["path"], _fresh_tree(ran_in))
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
@@ -135,9 +193,17 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix[:-1]: text}
 
 
-def fingerprint_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, str, str]]:
-    """(key, a value, b value) of both manifests, flattened; config keys only where they differ
-    (run paths and trainer names always differ and are what a reader looks for)."""
+def fingerprint_rows(
+    a: Mapping[str, Any],
+    b: Mapping[str, Any],
+    run_dirs: Sequence[Path | None] = (None, None),
+) -> list[tuple[str, str, str, bool]]:
+    """(key, a value, b value, whether they differ) of both manifests, flattened; config keys
+    only where they differ (trainer names always differ and are what a reader looks for).
+
+    run_dirs: each side's run folder; a value differs only where it still does once each side's
+    own folder is replaced by one placeholder (``config.out_dir`` naming each side's run folder,
+    or a file in it, is the same; another path that differs still shows)."""
     fa, fb = _flatten(dict(a)), _flatten(dict(b))
     for f in (fa, fb):
         f.pop("environment.argv", None)
@@ -146,10 +212,23 @@ def fingerprint_rows(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[s
     rows = []
     for k in keys:
         va, vb = fa.get(k, _ABSENT), fb.get(k, _ABSENT)
-        if k.startswith("config.") and va == vb:
+        differs = _own_folder(va, run_dirs[0]) != _own_folder(vb, run_dirs[1])
+        if k.startswith("config.") and not differs:
             continue
-        rows.append((k, va, vb))
+        rows.append((k, va, vb, differs))
     return rows
+
+
+def _own_folder(value: str, run_dir: Path | None) -> str:
+    """``value`` with its side's run folder (as given, and resolved) named ``<run folder>``,
+    where it is a whole path or a path's start (not ``/runs/a`` in ``/runs/ab``)."""
+    if run_dir is None:
+        return value
+    forms = [str(run_dir), os.path.abspath(run_dir), str(Path(run_dir).resolve())]
+    for path in sorted(set(forms), key=len, reverse=True):  # a relative form is in the others
+        if len(path) > 1:  # not "/" nor "."
+            value = re.sub(re.escape(path) + r"(?![^/\\\s\"',:;)\]}])", "<run folder>", value)
+    return value
 
 
 def _num(v: Any) -> str:
@@ -263,6 +342,10 @@ def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+#: the section naming the ignored paths copied, read-only, into each revision (parity.carry)
+_CARRIED = "Inputs carried into each revision"
+
+
 @dataclass
 class Report:
     """A comparison of two sides plus everything needed to render it."""
@@ -272,6 +355,7 @@ class Report:
     b: Side
     notes: list[str] = field(default_factory=list)
     diagnosis: Diagnosis | None = None  # parity.judge.diagnose: batches vs numerics, tensors, ranks
+    carried: list[str] = field(default_factory=list)  # check/bisect: inputs copied into each tree
 
     def headline(self) -> str:
         c = self.comparison
@@ -298,6 +382,10 @@ class Report:
             if steps
         ]
 
+    def _run_dirs(self) -> tuple[Path | None, Path | None]:
+        """Each side's run folder, which its manifest's paths name (fingerprint_rows)."""
+        return self.a.run_dir, self.b.run_dir
+
     def _sides_info(self) -> list[str]:
         sources = [f"{s.label}: {s.source}" for s in (self.a, self.b)]
         return sources + self.comparison.read_lines()
@@ -315,16 +403,18 @@ class Report:
             out += ["### Diagnosis", ""]
             out += [f"- {md(line)}" for line in self.diagnosis.lines()] + [""]
         out += [f"- {md(line)}" for line in self._sides_info()] + [""]
+        if self.carried:
+            out += [f"### {_CARRIED}", ""] + [f"- {md(line)}" for line in self.carried] + [""]
         out += ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
         out += ["| " + " | ".join(md(c) for c in _cells(m)) + " |" for m in _rows(self.comparison)]
         out += ["", "### Environment fingerprints", ""]
-        rows = fingerprint_rows(self.a.manifest, self.b.manifest)
+        rows = fingerprint_rows(self.a.manifest, self.b.manifest, self._run_dirs())
         errors = [s.manifest_error for s in (self.a, self.b) if s.manifest_error]
         out += [_md_paragraph(e) for e in errors] + ([""] if errors else [])
         if rows:
             out += ["| | key | A | B |", "|---|---|---|---|"]
-            for key, va, vb in rows:
-                mark = "≠" if va != vb else ""
+            for key, va, vb, differs in rows:
+                mark = "≠" if differs else ""
                 out.append(f"| {mark} | {md(key)} | {md(va)} | {md(vb)} |")
         elif not errors:
             out.append("no manifest.json on either side")
@@ -332,7 +422,8 @@ class Report:
         for side in (self.a, self.b):
             out.append(f"{_md_paragraph(side.label)}:")
             out.append("")
-            text = "\n".join(cmd for _, cmd in side.commands) or "# no launcher.log or manifest"
+            text = "\n".join(_script_line(*c) for c in side.commands)
+            text = text or "# no launcher.log or manifest"
             fence = "`" * max(3, _longest_run(text, "`") + 1)
             out += [f"{fence}sh", text, fence, ""]
         return "\n".join(out)
@@ -354,6 +445,9 @@ class Report:
             items = "".join(f"<li>{e(line)}</li>" for line in self.diagnosis.lines())
             body.append(f"<h2>Diagnosis</h2><ul class='diagnosis'>{items}</ul>")
         body.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in self._sides_info()) + "</ul>")
+        if self.carried:
+            items = "".join(f"<li>{e(line)}</li>" for line in self.carried)
+            body.append(f"<h2>{_CARRIED}</h2><ul class='carried'>{items}</ul>")
 
         body.append("<h2>Verdict per metric</h2><table class='verdict'><thead><tr>")
         body.append("".join(f"<th>{e(h)}</th>" for h in _COLUMNS) + "</tr></thead><tbody>")
@@ -375,14 +469,13 @@ class Report:
 
         body.append("<h2>Environment fingerprints</h2>")
         body += [f"<p>{e(s.manifest_error)}</p>" for s in (self.a, self.b) if s.manifest_error]
-        rows = fingerprint_rows(self.a.manifest, self.b.manifest)
+        rows = fingerprint_rows(self.a.manifest, self.b.manifest, self._run_dirs())
         if rows:
             body.append(
                 f"<table class='env'><tr><th></th><th>key</th><th>A: {e(self.a.label)}</th>"
                 f"<th>B: {e(self.b.label)}</th></tr>"
             )
-            for key, va, vb in rows:
-                differs = va != vb
+            for key, va, vb, differs in rows:
                 body.append(
                     f"<tr class='{'differs' if differs else 'same'}'><td>{'≠' if differs else ''}"
                     f"</td><td>{e(key)}</td><td>{e(va)}</td><td>{e(vb)}</td></tr>"
@@ -406,8 +499,8 @@ class Report:
         out = Path(out_dir)
         with OutDir.open(out) as held:
             held.claim("report.html", "report.md")
-            write_text_atomic(out / "report.html", self.html())
-            write_text_atomic(out / "report.md", self.markdown())
+            write_new(out / "report.html", self.html())
+            write_new(out / "report.md", self.markdown())
         return out / "report.md"
 
 

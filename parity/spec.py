@@ -28,7 +28,7 @@ from parity import tasks
 from parity.errors import SpecError
 from parity.tasks import CUSTOM
 
-TABLES = ("a", "b", "policies", "read")  # a spec file's tables beside the job's keys
+TABLES = ("a", "b", "policies", "read", "check")  # a spec file's tables beside the job's keys
 LAUNCHER_KINDS = ("local", "slurm")
 #: how check and bisect read each side's run folder: read_metrics' and compare's options
 READ_OPTIONS = {
@@ -41,7 +41,7 @@ Scalar = str | int | float | bool
 __all__ = [
     "JobSpec", "LauncherSpec", "PairSpec", "SpecError", "format_scalar", "load_policies",
     "load_read_options", "load_spec", "masked_env", "require_choice", "require_flags",
-    "require_int",
+    "require_int", "load_check_options",
 ]  # fmt: skip
 
 
@@ -137,6 +137,7 @@ class JobSpec:
     steps: int = 20
     seed: int = 0
     timeout_s: float = 600.0
+    stall: float | str = "auto"  # no new step for this long: a hang (parity.run.stall)
     torchrun_args: list[str] = field(default_factory=list)
     inject: list[str] = field(default_factory=list)  # names of mutants to apply
     preload: list[str] | None = None  # imported by a fast path's warm ranks; None: the preset's
@@ -160,6 +161,7 @@ class JobSpec:
         env: Mapping[str, Any] | None = None,
         launcher: LauncherSpec | Mapping[str, Any] | str | None = None,
         options: Mapping[str, Any] | None = None,
+        stall: float | str = "auto",
         **keys: Any,
     ) -> None:
         given = dict(locals())
@@ -194,6 +196,7 @@ class JobSpec:
             raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan would never time out
             raise SpecError(f"timeout_s must be > 0 and finite, got {self.timeout_s}")
+        _check_stall(self.stall)
         if self.world_size % self.nnodes:
             raise SpecError(f"world_size {self.world_size} is not divisible by nnodes "
                             f"{self.nnodes}")  # fmt: skip
@@ -350,6 +353,9 @@ distributed = true         # false: one plain process, no torchrun (world_size 1
 steps = 20                 # what progress counts to (presets: the steps they train)
 seed = 0
 timeout_s = 600.0          # per run; the run is killed and reported as failed after it
+stall = "auto"             # no new step written for this long: killed as hung (failed), each
+                           # rank's stack named; "auto": 5x the slowest step, at least 120 s,
+                           # from the first step on; seconds; or "off" (the timeout alone)
 torchrun_args = []         # extra torchrun flags, e.g. ["--master-port", "29600"]
 inject = []                # mutants applied before the job starts (`parity mutants`)
 preload = []               # modules the job imports first thing, in its order, that the fast
@@ -386,6 +392,10 @@ duplicates = "error"       # a step logged twice with other values: error, first
 allow_skipped = false      # compare although a reader skipped records it could not use
 at_source_precision = false  # judge a rounded log at its decimals (else: verdict imprecise)
 
+[check]                    # check and bisect: what each revision's worktree gets besides its tree
+carry = []                 # paths git ignores, copied read-only from your checkout into every
+                           # worktree, e.g. ["data/shakespeare_char/train.bin", "data/tok/"]
+
 [b]                        # side b only (pair); check and bisect run one job on two revisions
 env = { ACCELERATE_USE_CPU = "true", MY_FLAG = "new" }
 """
@@ -398,7 +408,7 @@ def load_spec(path: str | Path) -> JobSpec | PairSpec:
     source = str(path)
     data = _read_spec(Path(path))
     _reject_unknown(data, source, TABLES)
-    for table in ("policies", "read"):
+    for table in ("policies", "read", "check"):
         data.pop(table, None)
     a, b = data.pop("a", None), data.pop("b", None)
     base = JobSpec.from_dict(data, source)
@@ -491,6 +501,27 @@ def load_read_options(path: str | Path | None) -> dict[str, Any]:
     return options
 
 
+def load_check_options(path: str | Path | None) -> dict[str, Any]:
+    """The spec's ``[check]`` table: ``carry``, the ignored paths check and bisect copy into
+    each revision's worktree (a list of strings; parity.carry checks the paths themselves)."""
+    options: dict[str, Any] = {"carry": []}
+    if path is None:
+        return options
+    table = _read_spec(Path(path)).get("check", {})
+    if not isinstance(table, dict):
+        raise SpecError(f"{path}: [check] must be a table, got {type(table).__name__}")
+    for key, value in table.items():
+        if key not in options:
+            raise SpecError(f"{path}: unknown key {str(key)[:80]!r} in [check]; valid keys: "
+                            f"{', '.join(options)}")  # fmt: skip
+        options[key] = value
+    carry = options["carry"]
+    if not isinstance(carry, list) or not all(isinstance(p, str) and p for p in carry):
+        raise SpecError(f"{path}: check.carry must be a list of paths, got {carry!r}")
+    _refuse_nul({"check.carry": carry})
+    return options
+
+
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 
 
@@ -535,10 +566,25 @@ def _apply(base: JobSpec, overrides: Mapping[str, Any], source: str) -> JobSpec:
     if not isinstance(overrides, Mapping):
         raise SpecError(f"{source}: overrides must be a table, got {type(overrides).__name__}")
     _reject_unknown({"task": overrides.get("task", base.task), **overrides}, source)
+    overrides = dict(overrides)
+    if overrides.get("task", base.task) != base.task and "preload" not in overrides:
+        preset = base.preset  # the base's preload, unless its own, is its task's: not the side's
+        if base.preload == (list(preset.preload) if preset is not None else []):
+            overrides["preload"] = None
     try:
         return dataclasses.replace(base, **overrides)
     except SpecError as e:
         raise SpecError(f"{source}: {e}") from None
+
+
+def _check_stall(value: object) -> None:
+    """``stall``: "auto", "off", or seconds (> 0, finite)."""
+    if value in ("auto", "off"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f'stall must be "auto", "off" or seconds, got {value!r}')
+    if not value > 0 or value == float("inf"):
+        raise SpecError(f"stall must be > 0 seconds and finite, got {value}")
 
 
 def require_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

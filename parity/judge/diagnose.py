@@ -12,12 +12,12 @@ It reads only the files a job writes next to metrics.jsonl through the recorder
   prompt + response): prompts that differ are the data order; the same prompts with other
   rollouts are "rollouts differ" (generation); the same rollouts cut into other batches are
   the mini-batch shuffle or packing.
-- ``ops/rank{r}.jsonl``: every op of one traced step (``--trace-step K``, ``trace_ops``):
+- ``ops/rank{r}.jsonl``: every op of one traced step (the recorder's ``trace_ops``):
   the first op whose output differs, its ULP distance and whether its inputs were equal, and
   the ops only one side runs (``parity.judge.opdiff``).
 - ``fingerprints.jsonl``: rank 0's hash of every full parameter (before the step's update) and
-  pre-clip gradient at the ``--fingerprint-steps``: the first step and the tensors that differ
-  point at a layer.
+  pre-clip gradient at the recorder's ``fingerprint_steps``: the first step and the tensors
+  that differ point at a layer.
 
 Rank agreement: metrics reduced over ranks (loss, lr, grad_norm, token counts) must be bitwise
 equal on every rank; a rank whose own record disagrees with rank 0's is named. A run without
@@ -399,7 +399,10 @@ def compare_fingerprints(a_dir: Path | None, b_dir: Path | None) -> FingerprintD
         return out
     if not all(have):
         side = "b" if have[0] else "a"
-        out.detail = f"no {FINGERPRINTS} in {side} (run it with --fingerprint-steps)"
+        out.detail = (
+            f"no {FINGERPRINTS} in {side} (the recorder writes it: record_run(out, "
+            'fingerprint_steps="1,5") and rec.fingerprint(step, model) after backward)'
+        )
         return out
     assert a_dir is not None and b_dir is not None
     fa, fb = read_fingerprints(a_dir / FINGERPRINTS), read_fingerprints(b_dir / FINGERPRINTS)
@@ -438,7 +441,7 @@ class Diagnosis:
     prompts: DataDiff = field(default_factory=lambda: DataDiff("prompts"))  # PPO only
     rollout: DataDiff = field(default_factory=lambda: DataDiff("rollout"))  # PPO only
     fingerprints: FingerprintDiff = field(default_factory=FingerprintDiff)
-    ops: OpDiff = field(default_factory=OpDiff)  # both runs traced one step (--trace-step)
+    ops: OpDiff = field(default_factory=OpDiff)  # both runs traced one step (trace_ops)
     ranks: dict[str, RankAgreement] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 

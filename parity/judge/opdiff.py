@@ -333,7 +333,10 @@ def compare_ops(a_dir: Path | None, b_dir: Path | None) -> OpDiff:
     if not ta and not tb:
         return out
     if not ta or not tb:
-        out.detail = f"no {OPS_DIR}/ trace in {'a' if not ta else 'b'} (run it with --trace-step)"
+        out.detail = (
+            f"no {OPS_DIR}/ trace in {'a' if not ta else 'b'} (the recorder writes it: "
+            "with trace_ops(out, step=K, model=model) around step K)"
+        )
         return out
     common = sorted(set(ta) & set(tb))
     if not common:

@@ -243,6 +243,9 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
     steps = vals[is_step]
     if (steps >= 2.0**53).any():
         return None
+    big = np.abs(vals[~is_step]) >= 2.0**53
+    if (big & np.isfinite(vals[~is_step])).any():  # maybe an integer a float64 cannot hold
+        return None
     if at is not None and not _steps_are_digits(raw, at, steps):
         return None
     if _maybe_bool(body, np.flatnonzero(((vals == 0.0) | (vals == 1.0)) & ~is_step)):

@@ -17,7 +17,8 @@ golden baselines are keyed on), ranks/rank{r}.jsonl (batch digests and each rank
 and fingerprints.jsonl; `with trace_ops(out, step, model):` around one step writes ops/ (every
 op's output hash, parity.record.optrace): what `parity compare`, `report`, goldens, the noise
 floor and `parity.judge.diagnose` read. `parity.record.hf.ParityCallback` does the same for HF's
-Trainer and TRL's trainers.
+Trainer and TRL's trainers, `parity.record.lightning.ParityLogger` for Lightning and
+`parity.record.accelerate.ParityTracker` for accelerate's `Accelerator(log_with=...)`.
 
 The bottom layer: it imports only torch and the standard library (nothing from the rest of
 `parity`, nothing from `worker`), so a foreign trainer's environment needs nothing else.

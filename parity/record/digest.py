@@ -56,6 +56,10 @@ class DataDigest:
             self._counts[kind] = dict.fromkeys(counts, 0)
         return h, self._counts[kind]
 
+    def pending(self) -> list[str]:
+        """The kinds with batches folded in since the last take()."""
+        return sorted(self._h)
+
     def add_tensors(
         self,
         kind: str,

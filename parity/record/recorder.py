@@ -47,7 +47,7 @@ from parity.record.files import (
 END = "end"
 
 
-def _number(value: Any) -> Any:
+def as_number(value: Any) -> Any:
     """A metric value as JSON can hold it exactly: a Python int or float as it is, a one-element
     tensor or numpy scalar through .item() (a float32 becomes the float64 of the same value)."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -232,7 +232,7 @@ class Recorder:
 
         A second call for the step adds keys it does not have (module doc); a key it has
         already, or a step logged again after a later one, is a ValueError, nothing written."""
-        values = {k: _number(v) for k, v in metrics.items()}
+        values = {k: as_number(v) for k, v in metrics.items()}
         again = step == self.last_step
         self._check(step, values, again)
         if data is None:
@@ -326,6 +326,15 @@ class Recorder:
         then close: the run is complete."""
         if self.finished:
             return
+        if self._ranks is not None and not self._steps and self.digest.pending():
+            # its digests are written by rec.log only: a rank that never logs loses them, and
+            # the diagnosis then compares no batches at all
+            print(
+                f"parity.record: rank {self.rank} recorded batches but logged no step: call "
+                "rec.log(step, {}) on every rank once a step to keep its batch digests",
+                file=sys.stderr,
+                flush=True,
+            )
         end = {"event": END, "steps": steps if steps is not None else (self.last_step or 0)}
         for log in (self._ranks, self._fingerprints, self._metrics):
             if log is not None:

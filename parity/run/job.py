@@ -17,16 +17,16 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parity.files import launch_dir, write_json_atomic
+from parity.files import REPRODUCE_FILE, launch_dir, write_json_atomic
 from parity.outdir import OutDir
-from parity.readers import MetricsError, detect, read_metrics
+from parity.readers import FORMATS, MetricsError, detect, read_metrics
 from parity.run.launch import (
     Launcher,
     LaunchError,
@@ -35,6 +35,7 @@ from parity.run.launch import (
     launch_nodes,
     launch_plain,
 )
+from parity.run.stall import StallWatch
 from parity.spec import JobSpec
 
 
@@ -185,6 +186,7 @@ def launch_spec(
     cwd: Path | None = None,
     env: Mapping[str, str] | None = None,
     exit_grace_s: float = 60.0,
+    origin: Mapping[str, Any] | None = None,
 ) -> LaunchResult:
     """Launch ``spec`` with ``out`` as its output folder: the one way every job is started.
 
@@ -195,6 +197,8 @@ def launch_spec(
     step of the held allocation (``holding``; parity.run.slurm); where they ran is written as the
     launch folder's topology.json. A distributed job whose ranks did not form one group of
     ``spec.world_size``, or one that exited 0 having written nothing at all, is failed.
+    The folder it ran in (and ``origin``: the temporary worktree it was, for check and bisect)
+    goes to the launch folder's reproduce.json, for the report's commands to rerun it later.
     """
     out = Path(out).resolve()
     with OutDir.open(out.parent) as held:
@@ -202,6 +206,9 @@ def launch_spec(
         logs = held.make_dir(launch_dir(out).name)
         progress = Progress(label, spec.steps, out / "metrics.jsonl")
         since = time.time()
+        on_tick = progress.tick
+        if spec.launcher.kind != "slurm":  # Slurm: the timeout alone (docs/clusters.md)
+            on_tick = _watching(progress, StallWatch(out / "metrics.jsonl", spec.stall))
         common = dict(
             nproc=spec.nproc_per_node,
             run_dir=logs,
@@ -209,7 +216,7 @@ def launch_spec(
             env={**spec.env, **(env or {})},
             torchrun_args=spec.torchrun_args,
             cwd=cwd,
-            on_tick=progress.tick,
+            on_tick=on_tick,
             finished=lambda: end_record_written(out / "metrics.jsonl", since),
             exit_grace_s=exit_grace_s,
             expect_world=spec.world_size if spec.distributed else None,
@@ -224,10 +231,23 @@ def launch_spec(
             result.topology = {"launcher": "local", "nodes": [socket.gethostname()] * spec.nnodes,
                                "nproc_per_node": spec.nproc_per_node}  # fmt: skip
         write_json_atomic(logs / "topology.json", result.topology)
+        ran_in = {"cwd": str(Path(cwd or Path.cwd()).absolute()), **(origin or {})}
+        write_json_atomic(logs / REPRODUCE_FILE, ran_in)
     result.started_at = since
     if result.ok and not any(out.iterdir()):
-        result.set_fault("no-output", f"the job exited 0 but wrote nothing in {out}")
+        result.set_fault("no-output", no_run_line(out, "nothing"))
     return result
+
+
+def _watching(progress: Progress, watch: StallWatch) -> Callable[[], None]:
+    """The launch's on_tick: the progress display, then the stall check (which raises
+    parity.run.stall.Stalled; the launcher then takes each rank's stack and kills the job)."""
+
+    def tick() -> None:
+        progress.tick()
+        watch.check()
+
+    return tick
 
 
 ALLOCATION = "allocation"  # the folder of a pair's (check's, bisect's) one Slurm allocation
@@ -287,11 +307,45 @@ def read_output(result: LaunchResult, out: Path, label: str, **read: Any) -> pd.
     the launch (LaunchError, reason no-output), since the job did not give what it was run for."""
     try:
         return read_metrics(out, **read)
-    except MetricsError as e:
+    except MetricsError:
         if detected(out):
             raise  # the job's output is there, but damaged: bad input, said as such
-        result.set_fault("no-output", f"the job exited 0 but wrote no metrics this tool reads: {e}")
+        result.set_fault("no-output", no_run_line(out))
         raise LaunchError(result, label) from None
+
+
+def launch_line(spec: JobSpec, out: Path) -> str:
+    """The shell line ``spec`` is launched with into ``out``, as launcher.log's first line will
+    say it (parity.run.launch.launch / launch_plain; env overrides first, secrets masked),
+    without running anything: for `parity spec --command`. Several nodes: node 0's torchrun;
+    Slurm runs the same line in its steps."""
+    import sys
+
+    from parity.run.launch import reproduce_line
+
+    args = spec.to_args(out)
+    if not spec.distributed:
+        return reproduce_line([sys.executable, *args], spec.env)
+    logs = launch_dir(out) / "logs"
+    rdzv = ["--nnodes", str(spec.nnodes), "--node-rank", "0", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint=127.0.0.1:PORT"] if spec.nnodes > 1 else []  # fmt: skip
+    if not rdzv and not any(a.startswith("--rdzv") for a in spec.torchrun_args):
+        rdzv = ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv,
+           "--nproc-per-node", str(spec.nproc_per_node), "--log-dir", str(logs),
+           "--redirects", "3", *spec.torchrun_args, *args]  # fmt: skip
+    return reproduce_line(cmd, spec.env)
+
+
+def no_run_line(out: Path, what: str = "no run this tool reads") -> str:
+    """The one line of a job that exited 0 without the run it was launched for: where the
+    harness looked and what it would have read there."""
+    return (
+        f"the job exited 0 but wrote {what} in {out}: the harness reads metrics.jsonl there "
+        "(parity.record's record_run(out) writes it) or a log in a format docs/logs.md lists "
+        f"({', '.join(FORMATS)}; the spec's [read] format); the job must write into the folder "
+        "its command's {out} names"
+    )
 
 
 def detected(out: Path) -> bool:

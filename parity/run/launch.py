@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from parity.run import world
+from parity.run import stacks, world
 from parity.run.signals import deferred, parent_death_signal
+from parity.run.stall import Stalled
 from parity.spec import masked_env
 
 LAUNCH_ID_ENV = "PARITY_LAUNCH_ID"
@@ -141,14 +142,21 @@ class LaunchResult:
     topology: dict = field(default_factory=dict)
     #: what was started, as the report names it
     started_as: str = "torchrun job"
+    #: set when the job was stopped as hung: how long it went without a new step
+    stalled: str = ""
+    #: where each rank waited when it was stopped (stall or timeout; parity.run.stacks), and
+    #: the files that hold each rank's whole stacks
+    stacks: str = ""
+    stack_files: list[Path] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.fault
+        return self.returncode == 0 and not self.timed_out and not self.fault and not self.stalled
 
     @property
     def reason(self) -> str:
-        """One word for JSON and reports: ok, teardown-crash, teardown-hang, timeout, crash.
+        """One word for JSON and reports: ok, teardown-crash, teardown-hang, stall (no new step
+        for the job's stall time), timeout, crash.
 
         teardown-*: the output is complete (training finished), then a rank crashed or hung at
         exit. The metrics can be trusted, the process exit cannot; it is never reported as ok.
@@ -159,6 +167,8 @@ class LaunchResult:
             return self.fault_kind
         if self.output_complete:
             return "teardown-hang" if self.timed_out else "teardown-crash"
+        if self.stalled:
+            return "stall"
         return "timeout" if self.timed_out else "crash"
 
     def set_fault(self, kind: str, line: str) -> None:
@@ -195,6 +205,9 @@ class LaunchResult:
             ],  # fmt: skip
             **({"note": self.note} if self.note else {}),
             **({"fault": self.fault} if self.fault else {}),
+            **({"stall": self.stalled} if self.stalled else {}),
+            **({"stacks": self.stacks} if self.stacks else {}),
+            **({"stack_files": [str(p) for p in self.stack_files]} if self.stack_files else {}),
         }
 
     def tail(self, rank: int, n_lines: int = 30) -> str:
@@ -208,6 +221,13 @@ class LaunchResult:
             if text:
                 parts.append(f"[{path.name}]\n{text}")
         return "\n".join(parts)
+
+    def stack_lines(self) -> list[str]:
+        """Where each rank waited when it was stopped, and the files with the whole stacks."""
+        if not self.stacks:
+            return []
+        files = ", ".join(str(p) for p in self.stack_files)
+        return [self.stacks, f"stacks: {files}"] if files else [self.stacks]
 
     def describe(self, n_lines: int = 30) -> str:
         """A multi-line report: outcome, failing ranks with exit code or signal, and log tails."""
@@ -232,15 +252,23 @@ class LaunchResult:
         if self.nodes:
             state = "timed out" if self.timed_out else f"failed with exit code {self.returncode}"
             lines.append(f"{len(self.nodes)}-node torchrun job {state} ({where})")
+            if self.stalled:
+                lines.append(f"stalled: {self.stalled}")
+            lines += self.stack_lines()
             if self.failures:
                 lines.append(f"first failure: {self.failures[0].headline()}")
             for node, result in sorted(self.nodes.items()):
                 lines += [f"--- node {node} ---", _indent(result.describe(n_lines))]
             return "\n".join(lines)
-        if self.timed_out:
+        if self.stalled or self.timed_out:
             lines.append(
-                f"{self.started_as} timed out after {self.timeout_s:g} s and was killed ({where})"
+                f"{self.started_as} stalled: {self.stalled}; killed as hung after "
+                f"{self.duration_s:.1f} s ({where})"
+                if self.stalled
+                else f"{self.started_as} timed out after {self.timeout_s:g} s and was killed "
+                f"({where})"
             )
+            lines += self.stack_lines()
             for rank in sorted(self.rank_logs):
                 lines += [f"--- rank {rank} ---", _indent(self.tail(rank, n_lines) or "<empty>")]
             return "\n".join(lines)
@@ -346,11 +374,11 @@ def launch(
         ended = _supervise(cmd, _launch_env(world_dir, env), cwd=cwd, stdout=log,
                            stderr=subprocess.STDOUT, timeout_s=timeout_s,
                            kill_grace_s=kill_grace_s, on_tick=on_tick, finished=finished,
-                           exit_grace_s=exit_grace_s)  # fmt: skip
+                           exit_grace_s=exit_grace_s, world_dir=world_dir)  # fmt: skip
     result = ended.result(run_dir, launcher_log, find_rank_logs(log_dir, before), world_dir)
     if expect_world is not None:
         result.set_fault("world", world.judge(world_dir, expect_world))
-    if not result.ok and not result.timed_out:
+    if not result.ok and not result.timed_out and not result.stalled:
         result.failures = parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
 
@@ -398,23 +426,28 @@ def launch_plain(
     ):
         log.write(f"# {reproduce_line(cmd, env or {})}\n")
         log.flush()
-        ended = _supervise(cmd, _launch_env(run_dir / "world", env), cwd=cwd, stdout=out,
-                           stderr=err, timeout_s=timeout_s, kill_grace_s=kill_grace_s,
-                           on_tick=on_tick, finished=finished,
+        ended = _supervise(cmd, _launch_env(run_dir / "world", env, plain=True), cwd=cwd,
+                           stdout=out, stderr=err, timeout_s=timeout_s,
+                           kill_grace_s=kill_grace_s, on_tick=on_tick, finished=finished,
                            exit_grace_s=exit_grace_s)  # fmt: skip
-        log.write(f"# exited: {ended.returncode}{' (timed out)' if ended.timed_out else ''}\n")
+        how = " (timed out)" if ended.timed_out else " (stalled)" if ended.stalled else ""
+        log.write(f"# exited: {ended.returncode}{how}\n")
     result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, run_dir / "world")
     result.started_as = "job (one process, no torchrun)"
     code = result.returncode
-    if not result.ok and not result.timed_out and code:
+    if not result.ok and not result.timed_out and not result.stalled and code:
         result.failures = [RankFailure(0, code, signal_name(code), result.tail(0), 0)]
     return result
 
 
-def _launch_env(world_dir: Path, env: Mapping[str, str] | None) -> dict[str, str]:
+def _launch_env(
+    world_dir: Path, env: Mapping[str, str] | None, plain: bool = False
+) -> dict[str, str]:
     """This process's environment with the job's ``env`` on top, as ``job_env`` gives it, under
-    a fresh launch id."""
-    return job_env(world_dir, {**os.environ, **(env or {})}, uuid.uuid4().hex)
+    a fresh launch id; its ranks (``plain``: its one process) dump their stacks on the harness's
+    signal into the stacks folder beside ``world_dir`` (parity.run.stacks)."""
+    full_env = job_env(world_dir, {**os.environ, **(env or {})}, uuid.uuid4().hex)
+    return {**full_env, **stacks.stacks_env(world_dir.parent / "stacks", plain)}
 
 
 def job_env(world_dir: Path, env: Mapping[str, str], launch_id: str) -> dict[str, str]:
@@ -424,6 +457,8 @@ def job_env(world_dir: Path, env: Mapping[str, str], launch_id: str) -> dict[str
     full_env = world.launch_env(world_dir, dict(env))
     for inherited in _HOOK_STATE_ENV:  # this launch's hook finds its own torchrun and ranks
         full_env.pop(inherited, None)
+    for inherited in (stacks.STACKS_DIR_ENV, stacks.STACK_SIGNAL_ENV, stacks.STACKS_PLAIN_ENV):
+        full_env.pop(inherited, None)  # an enclosing launch's: a local launch sets its own
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env[LAUNCH_ID_ENV] = launch_id
@@ -441,6 +476,10 @@ class _Ended:
     launch_id: str
     #: set when the job was killed as hung at exit: the grace it had after its output was done
     hung_after_s: float | None = None
+    #: set when it was stopped for writing no new step for its stall time (parity.run.stall)
+    stalled: str = ""
+    #: where each rank waited then, and the dumps kept (parity.run.stacks)
+    stacks: tuple[str, list[Path]] = ("", [])
 
     def result(
         self, run_dir: Path, launcher_log: Path, rank_logs: dict[int, Path], world_dir: Path
@@ -449,6 +488,7 @@ class _Ended:
             returncode=self.returncode, timed_out=self.timed_out, duration_s=self.duration_s,
             run_dir=run_dir, timeout_s=self.timeout_s, launcher_log=launcher_log,
             launch_id=self.launch_id, rank_logs=rank_logs, world_dir=world_dir,
+            stalled=self.stalled, stacks=self.stacks[0], stack_files=self.stacks[1],
         )  # fmt: skip
         if self.hung_after_s is not None:
             result.note = (
@@ -470,12 +510,16 @@ def _supervise(
     on_tick: Callable[[], None] | None,
     finished: Callable[[], bool] | None,
     exit_grace_s: float,
+    world_dir: Path | None = None,
 ) -> _Ended:
     """Start ``cmd`` in a session of its own and wait for it (see ``launch``); on timeout or
     any exception (Ctrl-C, SIGTERM, SIGHUP: parity.run.signals) kill it and everything that
-    carries its launch id, then say how it ended."""
+    carries its launch id, then say how it ended. A job stopped for its timeout, or for
+    writing no new step (on_tick raised parity.run.stall.Stalled), is first asked for each
+    rank's stacks (parity.run.stacks): the ranks recorded in ``world_dir``, or the one process
+    of a launch without torchrun (``world_dir`` None)."""
     launch_id = env[LAUNCH_ID_ENV]
-    timed_out = False
+    timed_out, stalled, dumped = False, "", ("", [])
     start = time.monotonic()
     deadline, exit_by = start + timeout_s, None
     proc = watchdog = None
@@ -484,7 +528,7 @@ def _supervise(
             proc = subprocess.Popen(
                 cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                 start_new_session=True, stdin=subprocess.DEVNULL,
-                preexec_fn=parent_death_signal(os.getpid()),
+                preexec_fn=parent_death_signal(os.getpid(), adopt_orphans=True),
             )  # fmt: skip
             watchdog = _start_watchdog(launch_id, proc.pid)
         while True:
@@ -501,6 +545,10 @@ def _supervise(
                     deadline = min(deadline, exit_by)
     except subprocess.TimeoutExpired:
         timed_out = True
+        dumped = _dump_stacks(proc, env, world_dir)
+    except Stalled as e:
+        stalled = e.line
+        dumped = _dump_stacks(proc, env, world_dir)
     finally:
         # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.run.signals) or any other
         # exception in this process; a signal during the cleanup waits for its end
@@ -511,12 +559,28 @@ def _supervise(
                 _kill_leftovers(proc.pid, launch_id)
             if watchdog is not None:
                 _stop_watchdog(*watchdog)
+            stacks.tidy(Path(env[stacks.STACKS_DIR_ENV]))
     assert proc is not None
-    ended = _Ended(proc.returncode, timed_out, time.monotonic() - start, timeout_s, launch_id)
+    ended = _Ended(proc.returncode, timed_out, time.monotonic() - start, timeout_s, launch_id,
+                   stalled=stalled, stacks=dumped)  # fmt: skip
     if timed_out and deadline == exit_by:
         ended.timeout_s = round(exit_by - start, 1)
         ended.hung_after_s = exit_grace_s
     return ended
+
+
+def _dump_stacks(
+    proc: subprocess.Popen | None, env: Mapping[str, str], world_dir: Path | None
+) -> tuple[str, list[Path]]:
+    """Each rank's stacks before the job is killed: the summary line and the files (nothing
+    when the job already ended, or on any error: the kill must still come)."""
+    if proc is None or proc.poll() is not None:
+        return "", []
+    try:
+        plain = None if world_dir is not None else proc.pid
+        return stacks.collect(Path(env[stacks.STACKS_DIR_ENV]), world_dir, plain)
+    except Exception:  # noqa: BLE001 - the stacks are a help, never a reason not to kill
+        return "", []
 
 
 def _start_watchdog(launch_id: str, root: int) -> tuple[subprocess.Popen, int] | None:
@@ -684,6 +748,11 @@ def _merge_nodes(
         failures=sorted((f for _, r in sorted(results.items()) for f in r.failures), key=secondary),
         nodes=dict(sorted(results.items())),
     )
+    for _, result in sorted(results.items()):  # the node that saw the stall: every rank here
+        if result.stalled or result.stacks:
+            merged.stalled, merged.stacks = result.stalled, result.stacks
+            merged.stack_files = result.stack_files
+            break
     waited = [n for n, r in sorted(results.items()) if _rendezvous_timed_out(r)]
     if waited:
         missing = [n for n in range(nnodes) if n not in waited]

@@ -12,8 +12,9 @@ a held allocation (``hold``) makes one for itself.
 
 Why an agent and not a fixed batch script of both sides: check's worktrees, bisect's next commit
 and the op-trace rerun are only known once the earlier runs are read, and the agent lets them
-all use the allocation the first side waited for. The harness touches a heartbeat file while it
-waits; an agent whose harness went quiet (killed with SIGKILL) ends on its own.
+all use the allocation the first side waited for. A thread of the harness touches a heartbeat
+file while it holds the allocation; an agent whose harness went quiet (killed with SIGKILL) ends
+on its own, a running side with it.
 
 Faults come back as the local launcher's do, in a ``LaunchResult``: the failing rank with its
 node and log tail; a step past the job's timeout_s cancelled (``scancel JOB.STEP``); Slurm's own
@@ -65,7 +66,8 @@ ENDED = {
     "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
     "PREEMPTED", "TIMEOUT", "GONE",
 }  # fmt: skip
-HEARTBEAT_S = 120  # an agent whose harness has not touched its heartbeat for this long ends
+HEARTBEAT_S = 30  # an agent whose harness has not touched its heartbeat for this long ends
+BEAT_EVERY_S = 2.0  # how often the harness touches it (a thread, whatever the harness does)
 STATE_EVERY_S = 2.0  # how often Slurm itself is asked (files are looked at every poll_s)
 #: srun's line for a task that failed:  srun: error: n2: task 1: Exited with exit code 1
 _SRUN_TASK = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
@@ -150,24 +152,40 @@ def cancel(job_id: str, wait_s: float = 30.0) -> None:
 
 _AGENT = r"""#!/bin/bash
 # parity's agent in a Slurm allocation: runs each queued side (steps/N.sh) in order, writes
-# steps/N.exit, and ends when released (the file `release`) or when the harness went quiet.
+# steps/N.exit, and ends when released (the file `release`) or when the harness went quiet (its
+# heartbeat file unchanged for {heartbeat} s by this node's clock), also while a side runs: the
+# batch script's end ends the job, and Slurm then kills its running step.
 D={folder}
 cd "$D" || exit 97
 env | grep '^SLURM' | sort > slurm.env.tmp && mv slurm.env.tmp slurm.env
 {{ echo "$SLURM_JOB_ID"; hostname; }} > started.tmp && mv started.tmp started
+last_beat="" quiet_since=$(date +%s)
+harness_quiet() {{
+    local beat now
+    beat=$(stat -c %Y heartbeat 2>/dev/null || echo gone)
+    now=$(date +%s)
+    if [ "$beat" != "$last_beat" ]; then last_beat=$beat; quiet_since=$now; fi
+    [ $(( now - quiet_since )) -gt {heartbeat} ]
+}}
+ended_quiet() {{
+    echo "parity agent: the harness went quiet for {heartbeat} s: ending" >&2
+    exit 3
+}}
 n=0
 while [ ! -e release ]; do
     if [ -e "steps/$n.sh" ]; then
-        bash "steps/$n.sh"
+        bash "steps/$n.sh" &
+        step=$!
+        while kill -0 "$step" 2>/dev/null; do
+            harness_quiet && ended_quiet
+            sleep 0.5
+        done
+        wait "$step"
         echo $? > "steps/$n.exit.tmp" && mv "steps/$n.exit.tmp" "steps/$n.exit"
         n=$((n + 1))
         continue
     fi
-    beat=$(stat -c %Y heartbeat 2>/dev/null || echo 0)
-    if [ $(( $(date +%s) - beat )) -gt {heartbeat} ]; then
-        echo "parity agent: the harness went quiet for {heartbeat} s: ending" >&2
-        exit 3
-    fi
+    harness_quiet && ended_quiet
     sleep 0.1
 done
 """
@@ -192,12 +210,15 @@ class Allocation:
         self.failure = ""  # why the allocation could not be used (pending, not shared, ended)
         self.ended_state: JobState | None = None
         self.launch_ids: list[str] = []  # of the sides it ran: their processes carry them
+        self._beating = threading.Event()  # set: the heartbeat thread stops
 
     # -- submit and wait for the agent
     def submit(self) -> None:
         """sbatch the agent (refused: SlurmRefused with Slurm's message)."""
         (self.folder / "steps").mkdir(parents=True, exist_ok=True)
         self.beat()
+        threading.Thread(target=self._beat_until_ended, name="parity-slurm-heartbeat",
+                         daemon=True).start()  # fmt: skip
         agent = self.folder / "agent.sh"
         write_text_atomic(agent, _AGENT.format(folder=shlex.quote(str(self.folder)),
                                                heartbeat=HEARTBEAT_S))  # fmt: skip
@@ -218,12 +239,21 @@ class Allocation:
         write_text_atomic(self.folder / "sbatch.txt", f"{shlex.join(cmd)}\n{done.stdout}"
                           f"{done.stderr}")  # fmt: skip
         if done.returncode != 0:
+            self._beating.set()
             message = " ".join(line.strip() for line in done.stderr.splitlines() if line.strip())
             raise SlurmRefused(f"sbatch refused the allocation ({self.nodes} node(s)): "
                                f"{message or f'exit code {done.returncode}'}")  # fmt: skip
 
     def beat(self) -> None:
         (self.folder / "heartbeat").touch()
+
+    def _beat_until_ended(self) -> None:
+        """Touch the heartbeat every BEAT_EVERY_S while the allocation is held, whatever the
+        harness is doing meanwhile (a worktree made, runs compared): only a harness that is gone
+        goes quiet."""
+        while not self._beating.wait(BEAT_EVERY_S):
+            with contextlib.suppress(OSError):
+                self.beat()
 
     def wait_started(self, on_tick: Callable[[], None] | None = None) -> bool:
         """Wait until the agent runs (its `started` file is here); False with ``failure`` set
@@ -286,6 +316,7 @@ class Allocation:
     def cancel(self) -> None:
         """scancel the job (whatever it runs) and wait until Slurm shows it ended; then kill
         what of its sides still runs here (a one-host cluster: a rank its torchrun left)."""
+        self._beating.set()
         if self.job_id:
             cancel(self.job_id)
         for launch_id in self.launch_ids:

@@ -68,3 +68,32 @@ def spec(version: str) -> EnvSpec:
 def env(version: str) -> Path:
     """The python of verl ``version``'s environment, built on first use (subjects.envs)."""
     return ensure(spec(version))
+
+
+# verl 0.7.1's PPO trainer (``verl.trainer.main_ppo``, ``subjects.verl.run_ppo``): the last
+# release with both the legacy FSDP workers and the engine workers. Beyond the SFT list it
+# imports cachetools, pydantic and PIL (the agent loop module, imported by the trainer) and
+# psutil (the legacy workers), einops (verl's flash-attn-free packing helpers, which the CPU
+# shim uses in place of flash_attn.bert_padding); ray is the same core package, started
+# locally by main_ppo
+RL_VERSION = "0.7.1"
+_RL_EXTRA = (
+    "pillow==11.3.0",
+    "cachetools==8.0.3",
+    "pydantic==2.14.4",
+    "psutil==7.2.2",
+    "einops==0.8.1",
+)
+
+
+def rl_spec() -> EnvSpec:
+    return EnvSpec(
+        name=f"verl-{RL_VERSION}-rl",
+        requirements=_COMMON + _RL_EXTRA,
+        no_deps=(f"verl=={RL_VERSION}",),
+    )
+
+
+def rl_env() -> Path:
+    """The python of the verl 0.7.1 PPO environment, built on first use (subjects.envs)."""
+    return ensure(rl_spec())

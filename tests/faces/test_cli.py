@@ -183,3 +183,20 @@ def test_a_policy_for_a_metric_whose_name_holds_an_equals_sign(tmp_path, capsys)
     assert main(["compare", str(a), str(b), "--policy", "lr=peak=ignore"]) == 0
     capsys.readouterr()
     assert main(["compare", str(a), str(b), "--policy", "=ignore"]) == 2
+
+
+def test_spec_command_prints_each_side_s_launch_line_and_runs_nothing(tmp_path, capsys):
+    """`parity spec FILE --command`: torchrun and its arguments, `{out}` made OUT/a and OUT/b,
+    each side's env overrides first (secrets masked); no folder is made, nothing runs."""
+    path = tmp_path / "spec.toml"
+    path.write_text(
+        'command = ["train.py", "--out_dir", "{out}"]\nworld_size = 2\n'
+        '[a.env]\nNEW_IMPL = "0"\n[b.env]\nNEW_IMPL = "1"\nAPI_TOKEN = "s3cret"\n'
+    )
+    assert main(["spec", str(path), "--command"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    a, b = lines[lines.index("# side a") + 1], lines[lines.index("# side b") + 1]
+    assert a.startswith("NEW_IMPL=0 ") and "-m torch.distributed.run --standalone" in a
+    assert "--nproc-per-node 2" in a and a.endswith("train.py --out_dir OUT/a")
+    assert b.startswith("NEW_IMPL=1 ") and b.endswith("--out_dir OUT/b") and "s3cret" not in b
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.toml"]

@@ -142,3 +142,54 @@ def test_the_runner_compares_pairs_as_parity_pair_does(tmp_path, monkeypatch):
                         noise_floor=True)  # fmt: skip
     assert noisy.verdict == "nondeterministic" and noisy.b is noisy.floor.runs[1]
     assert noisy.floor.a_dir == noisy.a.dir and noisy.dir == tmp_path
+
+
+def test_run_folders_are_named_after_the_test_that_made_them(pytester, tmp_path_factory):
+    """`--parity-keep-runs=DIR`: each run folder is named after its test (the node name, made a
+    file name), a letter per run of that test: test_my_refactor-a, test_my_refactor-b."""
+    keep = tmp_path_factory.mktemp("keep")
+    pytester.makepyfile(
+        """
+        from pathlib import Path
+
+        import pandas as pd
+        import pytest
+        import parity.run.job
+        from parity.run.job import Run
+        from parity.run.launch import LaunchResult
+        from parity.spec import JobSpec, PairSpec
+
+        def run_job(spec, out, label=None, **kwargs):
+            Path(out).mkdir()
+            launch = LaunchResult(returncode=0, timed_out=False, duration_s=1.0, run_dir=out)
+            frame = pd.DataFrame({"train/loss": [1.0]}, index=pd.Index([1], name="step"))
+            return Run(spec, Path(out), launch, frame)
+
+        @pytest.mark.parametrize("n", [2])
+        def test_my_refactor(parity_runner, monkeypatch, n):
+            monkeypatch.setattr(parity.run.job, "run_job", run_job)
+            base = JobSpec(command=["train.py", "--out", "{out}"], world_size=n)
+            pair = parity_runner.pair(PairSpec(base, {"env": {"X": "0"}}, {"env": {"X": "1"}}))
+            assert [pair.a.dir.name, pair.b.dir.name] == [
+                "test_my_refactor-2-a", "test_my_refactor-2-b"
+            ]
+        """
+    )
+    result = pytester.runpytest(f"--parity-keep-runs={keep}", "--parity-no-pool")
+    result.assert_outcomes(passed=1)
+    assert sorted(p.name for p in keep.iterdir() if not p.name.startswith(".")) == [
+        "test_my_refactor-2-a",
+        "test_my_refactor-2-b",
+    ]
+
+
+def test_run_folder_names_of_a_test_are_file_names_and_never_reused(tmp_path):
+    from parity.plugin import ParityRunner
+
+    runner = ParityRunner(tmp_path)
+    runner.test_name = "test_x[a/b c]"
+    (tmp_path / "test_x-a-b-c-a").mkdir()  # an earlier session's, kept
+    assert runner._folder("custom--w2") == tmp_path / "test_x-a-b-c-a-2"
+    assert runner._folder("custom--w2", "repeat") == tmp_path / "test_x-a-b-c-b-repeat"
+    runner.test_name = None  # outside a test: the session's counter and what the run is
+    assert runner._folder("custom--w2") == tmp_path / "000-custom--w2"

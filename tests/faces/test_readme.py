@@ -127,6 +127,7 @@ def _parity_commands() -> list[tuple[str, list[str]]]:
             chain: list[list[str]] = [[]]
             for word in words:
                 chain.append([]) if word == "&&" else chain[-1].append(word)
+            chain = [argv[: argv.index(">")] if ">" in argv else argv for argv in chain]  # > FILE
             for argv in chain:
                 if argv and (argv[0] == "parity" or argv[0].endswith("/parity")):
                     out.append((f"{_name(path)}: {line}", argv[1:]))

@@ -228,3 +228,113 @@ def test_a_damaged_manifest_is_a_note_of_the_report(tmp_path, manifest, capsys):
     note = next(line for line in md.splitlines() if "manifest.json" in line)
     assert "cannot read" in note or "must be a JSON object" in note
     assert str(a / "manifest.json") in note.replace("\\", "")
+
+
+def _script(md: str, label: str) -> list[str]:
+    """The lines of ``label``'s Reproduce script in report.md."""
+    block = md.split("### Reproduce")[1].split(f"{label}:", 1)[1].split("```sh\n", 1)[1]
+    return block.split("\n```", 1)[0].splitlines()
+
+
+def _launched(run: Path, line: str, ran_in: dict) -> None:
+    """What parity.run.job.launch_spec leaves in a run's launch folder: the launcher's line and
+    reproduce.json (the folder it ran in, the temporary worktree it was)."""
+    launch = run.parent / (run.name + ".launch")
+    launch.mkdir()
+    (launch / "launcher.log").write_text(f"# {line}\nrest\n")
+    (launch / "reproduce.json").write_text(json.dumps(ran_in))
+
+
+def test_reproduce_makes_the_removed_worktree_again_and_cds_into_it(runs, tmp_path, monkeypatch):
+    """check's and bisect's worktree is gone after the run: the report's commands make it again
+    (git -C REPO worktree add), cd into it and run the launcher's line there, its PYTHONPATH on
+    the new worktree; a plain pair's cd into the folder its command ran in. Run as written, the
+    script's first lines check out the revision and land in it."""
+    repo = tmp_path / "my repo"
+    repo.mkdir()
+    for args in (["init", "-q"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                                  "--allow-empty", "-m", "one"]):  # fmt: skip
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()  # fmt: skip
+    gone = "/tmp/parity-worktree-gone/" + commit[:12]
+    line = f"PYTHONPATH={gone} python -m torch.distributed.run --nproc-per-node 2 train.py"
+    _launched(runs[0], line, {"cwd": gone, "worktree": {"repo": str(repo), "commit": commit,
+                                                         "path": gone}})  # fmt: skip
+    _launched(runs[1], "python -m torch.distributed.run train.py", {"cwd": "/home/u/nanoGPT"})
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    md = write_report(*runs, tmp_path / "rep").read_text()
+    fresh = str(tmp_path / "tmp" / f"parity-{commit[:12]}")
+    a = _script(md, "A")
+    assert a[:3] == [
+        f"git -C '{repo}' worktree add --detach {fresh} {commit}",
+        f"cd {fresh}",
+        f"PYTHONPATH={fresh} python -m torch.distributed.run --nproc-per-node 2 train.py",
+    ]
+    assert a[3].startswith("# job sys.argv on rank 0: job.py --out")  # what the job saw: a comment
+    assert "parity-worktree-gone" not in md
+    b = _script(md, "B")
+    assert b[:2] == ["cd /home/u/nanoGPT", "python -m torch.distributed.run train.py"]
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert f"cd {fresh}" in page and "cd /home/u/nanoGPT" in page
+    done = subprocess.run(["bash", "-ec", "\n".join([*a[:2], "git rev-parse HEAD; pwd"])],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.splitlines()[-2:] == [commit, fresh], done.stderr
+    subprocess.run(["git", "-C", str(repo), "worktree", "remove", fresh], check=True)
+
+
+def test_the_sides_own_run_folders_are_no_environment_difference(runs, tmp_path):
+    """config.out_dir (or a path in it) naming each side's own run folder is no difference of
+    the environments; another path that differs still is, and so is a folder that only starts
+    like the run folder's name."""
+    from parity.report import fingerprint_rows
+
+    for run, data in zip(runs, ("/data/one", "/data/two"), strict=True):
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["config"] = {"out_dir": str(run), "ckpt": f"{run}/ckpt.pt", "data": data,
+                              "sibling": f"{run}b", "lr": 0.1}  # fmt: skip
+        (run / "manifest.json").write_text(json.dumps(manifest))
+    md = write_report(*runs, tmp_path / "rep").read_text()
+    env = md.split("### Environment fingerprints")[1].split("### Reproduce")[0]
+    assert "config.out\\_dir" not in env and "config.ckpt" not in env and "config.lr" not in env
+    assert "| ≠ | config.data | /data/one | /data/two |" in env
+    assert f"| ≠ | config.sibling | {runs[0]}b | {runs[1]}b |" in env
+    rows = {key: differs for key, _, _, differs in fingerprint_rows(
+        {"config": {"out": "/r/a/x"}, "device": "/r/a"}, {"config": {"out": "/q/b/x"},
+        "device": "/q/b"}, (Path("/r/a"), Path("/q/b")))}  # fmt: skip
+    assert rows == {"device": False}  # shown (not a config key), not marked as differing
+
+
+def test_a_check_side_s_reproduce_script_runs_after_its_worktree_is_gone(tmp_path, monkeypatch):
+    """End to end, one plain process (no torchrun): a job run in check's temporary worktree
+    records it (reproduce.json), the worktree is removed, and the report's script for that side,
+    run as written, makes it again, cds into it and reruns the job there."""
+    import shutil as sh
+
+    from parity.check import run_in_tree, worktree
+    from parity.report import build_report
+    from parity.spec import JobSpec
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    sh.copy(Path(__file__).resolve().parents[1] / "jobs" / "plain_job.py", repo)
+    for args in (
+        ["init", "-q"],
+        ["add", "plain_job.py"],
+        ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "job"],
+    ):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)  # fmt: skip
+    spec = JobSpec(command=["plain_job.py", "--mode", "ok", "--out", "{out}"], distributed=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with worktree(repo, "HEAD") as tree:
+        run_in_tree(spec, tree, tmp_path / "run")
+    assert not tree.exists()
+    md = build_report(tmp_path / "run", tmp_path / "run").markdown()
+    script = _script(md, "A")
+    assert script[0].startswith(f"git -C {repo} worktree add --detach ") and str(tree) not in md
+    (tmp_path / "run" / "env.json").unlink()  # the rerun writes it again
+    done = subprocess.run(["bash", "-ec", "\n".join(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run" / "env.json").is_file()

@@ -135,7 +135,8 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
     policies = {"train/loss": "ulp:1@-3,exact@4-"}
     result = bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, policies=policies,
                     fmt="jsonl", duplicates="last", allow_skipped=True)  # fmt: skip
-    assert result.verdict == "found" and result.first_bad.commit == commit_of(repo, 3)
+    assert result.outcome == "found" and result.first_bad.commit == commit_of(repo, 3)
+    assert result.verdict == "diverged"  # the table's word for exit 1
     assert [t.commit for t in result.tested] == [commit_of(repo, n) for n in (5, 3, 2)]
     assert len(trees) == 4  # the reference, then each tested commit: all in this process
     assert all(r == ("jsonl", {"run": None, "duplicates": "last"}) for r in reads) and reads
@@ -162,7 +163,8 @@ def test_failed_runs_are_skipped_and_can_leave_it_ambiguous(repo, tmp_path, monk
     fake_runs(monkeypatch, fail=("two", "three", "four"))
     monkeypatch.chdir(repo)
     code, result = _bisect(repo, tmp_path, "--policy", "train/loss=exact")
-    assert code == 1 and result["verdict"] == "ambiguous" and result["first_bad"] is None
+    assert code == 1 and result["verdict"] == "diverged" and result["first_bad"] is None
+    assert result["outcome"] == "ambiguous"
     assert set(result["candidates"]) == {commit_of(repo, n) for n in (2, 3, 4, 5)}
     verdicts = {t["commit"]: t["verdict"] for t in result["tested"]}
     assert verdicts == {commit_of(repo, 5): "diverged"} | {
@@ -195,7 +197,7 @@ def found(repo, tmp_path_factory):
 @pytest.mark.parity
 def test_bisect_names_the_third_commit(found, repo):
     code, result, _, _, out = found
-    assert code == 1 and result["verdict"] == "found"
+    assert code == 1 and (result["verdict"], result["outcome"]) == ("diverged", "found")
     first = result["first_bad"]
     assert first["commit"] == commit_of(repo, 3)
     assert first["subject"] == "third: nudge the loss by one ULP"
@@ -296,3 +298,41 @@ def test_text_names_the_culprit_and_what_was_tested():
     ).text()
     assert f"first bad commit: {'c' * 40} third" in text
     assert "train/loss at step 4 (policy exact@4-)" in text and "aligned " in text
+
+
+def test_the_verdict_line_says_a_word_of_the_verdicts_table():
+    """`parity bisect` ends on `verdict: WORD`: a verdict of the table (README, docs/verdicts.md)
+    for its exit code (1 diverged, 0 aligned), then what it found; never `found`."""
+    from parity.cli import EXIT_ALIGNED, EXIT_DIVERGED
+
+    table = _verdicts_table()
+    culprit = parity.bisect.TestedCommit("c" * 40, "third", "diverged")
+    results = {
+        "found": parity.bisect.BisectResult("found", "g" * 40, "b" * 40, Path("o"), culprit),
+        "ambiguous": parity.bisect.BisectResult(
+            "ambiguous", "g" * 40, "b" * 40, Path("o"), candidates=["c" * 40, "d" * 40]
+        ),
+        "aligned": parity.bisect.BisectResult("aligned", "g" * 40, "b" * 40, Path("o")),
+    }
+    lines = {outcome: r.verdict_line() for outcome, r in results.items()}
+    assert (
+        lines["found"]
+        == f"verdict: diverged  (first bad commit {'c' * 12}; runs and bisect.json in o)"
+    )
+    assert lines["ambiguous"].startswith("verdict: diverged  (first bad commit one of 2 candidates")
+    assert lines["aligned"] == "verdict: aligned  (runs and bisect.json in o)"
+    for outcome, r in results.items():
+        word = lines[outcome].split()[1]
+        code = EXIT_ALIGNED if r.verdict == "aligned" else EXIT_DIVERGED  # cmd_bisect's rule
+        assert table[word] == code and r.to_dict()["verdict"] == word
+        assert r.to_dict()["outcome"] == outcome
+
+
+def _verdicts_table() -> dict[str, int]:
+    """verdict -> exit code, from README.md's "Verdicts and exit codes" and docs/verdicts.md."""
+    root = Path(__file__).resolve().parents[2]
+    rows: dict[str, int] = {}
+    for doc in (root / "README.md", root / "docs" / "verdicts.md"):
+        for code, word in re.findall(r"^\| (\d+) \| ([a-z ]+) \|", doc.read_text(), re.M):
+            assert rows.setdefault(word, int(code)) == int(code), (doc, word)
+    return rows

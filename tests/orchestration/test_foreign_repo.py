@@ -286,7 +286,7 @@ def test_the_warmup_change_diverges_at_step_2(head_check, repo):
 
 def test_bisect_names_the_warmup_commit(bisected, repo):
     code, result, before, after, _, out = bisected
-    assert (code, result["verdict"]) == (1, "found")
+    assert (code, result["verdict"], result["outcome"]) == (1, "diverged", "found")
     first = result["first_bad"]
     assert first["commit"] == repo["warmup"]
     assert first["subject"] == "schedule: warm up over 2 steps"

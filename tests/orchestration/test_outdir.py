@@ -228,6 +228,39 @@ def test_a_report_the_user_edited_or_rewrote_is_kept(tmp_path: Path, capsys) -> 
     assert (out / "report.md").read_text() == kept
 
 
+def test_a_file_the_user_puts_under_a_claimed_name_meanwhile_is_kept(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A name found free when the command started, then taken by the user while it runs (here:
+    while the report is drawn): the write is refused in one line, never a replace of their file."""
+    from parity.report import Report
+
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(COMPLETE)
+    out = tmp_path / "out"
+    markdown = Report.markdown
+
+    def users_file_meanwhile(self: Report) -> str:
+        (out / "report.md").write_text("mine\n")
+        return markdown(self)
+
+    monkeypatch.setattr(Report, "markdown", users_file_meanwhile)
+    assert main(["report", str(metrics), str(metrics), "-o", str(out)]) == 2
+    assert "report.md: a file is already there" in capsys.readouterr().err
+    assert (out / "report.md").read_text() == "mine\n"
+
+
+def test_what_this_command_wrote_it_may_write_again(tmp_path: Path) -> None:
+    from parity.outdir import write_new
+
+    with OutDir.open(tmp_path) as held:
+        held.claim("summary.md")
+        write_new(tmp_path / "summary.md", "one\n")
+        write_new(tmp_path / "summary.md", "two\n")
+    assert (tmp_path / "summary.md").read_text() == "two\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name != ".parity-out"] == ["summary.md"]
+
+
 def test_a_bare_or_dotted_file_name_reports(tmp_path: Path, monkeypatch, capsys) -> None:
     """`parity report a.jsonl b.jsonl -o rep` (or ./a.jsonl): the files' folder is ".", whose
     launch folder is named by its path, not an internal error."""

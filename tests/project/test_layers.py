@@ -5,7 +5,7 @@ imports one of a higher layer, nor another module's private names.
     judge    judge/ (policy, ulp, compare, noise, golden, diagnose, opdiff, onpolicy, topology),
              spec, tasks, report
     run      run/ (signals, world, launch, slurm, job, mutants, inprocess, pool, trace_rerun)
-    orchestration  pair, check, bisect
+    orchestration  pair, check, carry, bisect
     faces    cli, plugin, the package's lazy exports (parity/__init__.py)
 
 Imports under ``if TYPE_CHECKING:`` are annotations only and not counted; an import inside a
@@ -25,7 +25,7 @@ LAYERS = {
     "base": ["parity.record", "parity.readers", "parity.errors", "parity.files", "parity.outdir"],
     "judge": ["parity.spec", "parity.tasks", "parity.judge", "parity.report"],
     "run": ["parity.run"],
-    "orchestration": ["parity.pair", "parity.check", "parity.bisect"],
+    "orchestration": ["parity.pair", "parity.check", "parity.carry", "parity.bisect"],
     "faces": ["parity.cli", "parity.plugin", "parity"],
 }
 ORDER = list(LAYERS)

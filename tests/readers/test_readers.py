@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from parity.readers import (
@@ -177,6 +177,7 @@ decimal = st.from_regex(r"[+-]?[0-9]{1,25}(\.[0-9]{0,25})?([eE][+-]?[0-9]{1,3})?
 
 @SETTINGS
 @given(values=st.lists(decimal | st.sampled_from(["nan", "inf", "-inf", "1e-400"]), min_size=1))
+@example(values=["10000000000000001"])  # past 2**53: read as 1e16 by the fast path once
 def test_console_decimals_parse_like_python_float(tmp_path, values):
     """pandas' C float parser (the fast path) must round exactly like float(); a number a
     float64 cannot hold (1e-400, 1e999) is skipped and counted, never read as 0.0 or inf."""

@@ -203,9 +203,12 @@ def test_hf_callback_logs_train_eval_and_summary_of_a_step_through_the_recorder(
 
 
 def test_the_recorder_is_the_bottom_layer():
-    """parity.record imports only torch and the standard library (transformers in hf.py), none
-    of the rest of parity, nothing of worker; and our jobs write through it."""
+    """parity.record imports only torch and the standard library (each library's logger its
+    library: transformers in hf.py, ...), none of the rest of parity, nothing of worker; and our
+    jobs write through it."""
     stdlib = set(sys.stdlib_module_names)
+    own = {"hf.py": {"transformers"}, "lightning.py": {"lightning", "pytorch_lightning"}}
+    own["accelerate.py"] = {"accelerate"}
     for path in sorted((ROOT / "parity" / "record").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = []
@@ -216,12 +219,13 @@ def test_the_recorder_is_the_bottom_layer():
             for name in names:
                 top = name.partition(".")[0]
                 ok = top in stdlib or top == "torch" or name.startswith("parity.record")
-                ok = ok or (path.name == "hf.py" and top == "transformers")
+                ok = ok or top in own.get(path.name, ())
                 assert ok, f"{path.name} imports {name}"
     code = (
         "import sys, parity.record as r, parity.record.env as e; r.Recorder; e.environment\n"
         "r.DataDigest\n"
-        "bad = ['pandas', 'transformers', 'worker', 'parity.judge.compare', 'parity.readers']\n"
+        "bad = ['pandas', 'transformers', 'worker', 'parity.judge.compare', 'parity.readers',\n"
+        "       'accelerate', 'pytorch_lightning', 'lightning']\n"
         "print([m for m in bad if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -146,3 +146,24 @@ def test_a_pair_of_plain_jobs_is_judged_without_torch(tmp_path, factor, code, ve
         assert result["metrics"]["train/loss"]["first_divergent_step"] == 3
     html = (tmp_path / "pair" / "report.html").read_text()
     assert "launcher (one plain process)" in html and "torch.distributed.run" not in html
+
+
+@pytest.mark.parametrize("writes", ["ckpt.pt", None])
+def test_a_job_that_wrote_no_readable_run_is_told_where_the_harness_looked_and_what_it_reads(
+    tmp_path: Path, writes: str | None
+) -> None:
+    """Exit 0 but no run this tool reads (a checkpoint only, or nothing): one line names the
+    folder and what would have been read there (metrics.jsonl by parity.record, the formats of
+    docs/logs.md, the spec's [read] format) and that the job must write where {out} says."""
+    from parity.run.job import run_job
+    from parity.run.launch import LaunchError
+
+    code = "import pathlib, sys; [pathlib.Path(sys.argv[1], n).touch() for n in sys.argv[2:]]"
+    spec = JobSpec(command=["-c", code, "{out}", *filter(None, [writes])], distributed=False)
+    with pytest.raises(LaunchError) as info:
+        run_job(spec, tmp_path / "run")
+    line = info.value.result.fault
+    assert "\n" not in line and f"in {tmp_path / 'run'}: the harness reads metrics.jsonl" in line
+    for said in ("record_run", "docs/logs.md", "tensorboard", "[read]", "{out}"):
+        assert said in line, said
+    assert line.startswith("the job exited 0 but wrote " + ("no run" if writes else "nothing"))

@@ -58,10 +58,24 @@ time.sleep(1)
 """
 
 
-def test_a_helper_with_an_empty_environment_in_its_own_session_is_killed(tmp_path: Path) -> None:
-    """It carries no launch id; the watchdog knew it as the job's child."""
+DAEMON_JOB = """\
+import subprocess, sys, time
+from pathlib import Path
+here = Path(sys.argv[1])
+sleeper = f"{sys.executable} -c 'import time; time.sleep(300)' {here} </dev/null >/dev/null 2>&1"
+subprocess.run(["/bin/sh", "-c", f"setsid {sleeper} & echo $! > {here}/helper.pid"], env={})
+time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("job", [HELPER_JOB, DAEMON_JOB], ids=["child", "double-fork"])
+def test_a_helper_with_an_empty_environment_in_its_own_session_is_killed(
+    tmp_path: Path, job: str
+) -> None:
+    """It carries no launch id; the watchdog knew it as the job's child, or (its parent, a shell,
+    gone before the watchdog's next look) as an orphan the launch's root adopted."""
     script = tmp_path / "job.py"
-    script.write_text(HELPER_JOB)
+    script.write_text(job)
     try:
         result = launch_plain([str(script), str(tmp_path)], nproc=1, run_dir=tmp_path / "launch")
         assert result.ok, result.describe()

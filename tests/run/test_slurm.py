@@ -243,6 +243,40 @@ def test_sigterm_cancels_the_allocation_and_leaves_nothing(cluster, tmp_path):
     assert not procs_mentioning(str(tmp_path)), procs_mentioning(str(tmp_path))
 
 
+QUICK_HEARTBEAT = (
+    "import sys; import parity.run.slurm as slurm; slurm.HEARTBEAT_S = 5; "
+    "from parity.cli import main; raise SystemExit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parity
+def test_a_sigkilled_harness_ends_its_allocation_with_the_running_side(cluster, tmp_path):
+    """SIGKILL runs no cleanup: the agent sees the heartbeat stop (here after 5 s), also while
+    a side's step runs, and ends; Slurm then ends the job and its step, and nothing is left."""
+    spec = _dummy_spec(tmp_path, "hang")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", QUICK_HEARTBEAT, "pair", "--spec", str(spec), "--out",
+         str(tmp_path / "out")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "out" / "a.launch").glob("node1/slurm-node")):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        (job,) = jobs_under(tmp_path)
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        while job in queued() or procs_mentioning(str(tmp_path)):
+            assert time.monotonic() - killed < 40, procs_mentioning(str(tmp_path))
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "went quiet for 5 s" in (tmp_path / "out" / "allocation" / "agent.log").read_text()
+
+
 SECRET_JOB = """\
 import hashlib, json, os, sys
 from pathlib import Path

@@ -298,6 +298,12 @@ def test_preload_defaults_to_the_presets_and_takes_module_names_only() -> None:
     custom = JobSpec(command=["-m", "job"], preload=("transformers", "my.boot"))
     assert custom.preload == ["transformers", "my.boot"] and JobSpec(command=["x"]).preload == []
     assert JobSpec.from_dict(custom.to_dict()).preload == ["transformers", "my.boot"]
+    to_preset = {"task": "charcount-sft", "command": None}
+    switched = PairSpec(JobSpec(command=["-m", "job"]), {}, to_preset)
+    assert [side.preload for side in switched.sides()] == [[], ["worker.boot"]]  # the side's task's
+    own = JobSpec(command=["-m", "job"], preload=["my.boot"])
+    kept = PairSpec(own, {}, to_preset).sides()[1].preload
+    assert kept == ["my.boot"]  # the spec's own list is kept for both sides
     bad_lists = {"transformers": "must be a list", ("a..b",): "not a module name",
                  ("my boot",): "not a module name", ("a", "a"): "listed twice"}  # fmt: skip
     for bad, message in bad_lists.items():

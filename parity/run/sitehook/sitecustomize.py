@@ -21,6 +21,12 @@ shadows is loaded after it.
 A rank whose parent is the launch's torchrun also asks the kernel to SIGKILL it when that
 torchrun dies (PR_SET_PDEATHSIG), so ranks never outlive a killed launch.
 
+A rank (and the plain job of a launch without torchrun) also registers a dump of its Python
+stacks, every thread's, on the signal the harness names (``PARITY_STACK_SIGNAL``, a real-time
+signal no library installs a handler for) into ``$PARITY_STACKS_DIR/<host>-<pid>.txt``
+(faulthandler): the harness sends it to each rank before it kills a job that stalled or timed
+out, and says where each rank waited (parity.run.stacks).
+
 Standard library only; a failure here never stops the job (the launch then lacks its record,
 which the harness reports).
 """
@@ -36,6 +42,10 @@ _DIR_ENV, _CHILD_ENV = "PARITY_WORLD_DIR", "PARITY_WORLD_CHILD"
 #: the pid of the launch's first Python process (torchrun, or the plain job): ranks it starts
 #: die with it
 _LAUNCHER_ENV = "PARITY_LAUNCHER_PID"
+#: the stacks' folder and signal (parity.run.stacks); the plain job of a launch without torchrun
+#: (not a rank) dumps too when _PLAIN_ENV is set
+_STACKS_ENV, _STACK_SIGNAL_ENV = "PARITY_STACKS_DIR", "PARITY_STACK_SIGNAL"
+_PLAIN_ENV = "PARITY_STACKS_PLAIN"
 _C10D = "torch.distributed.distributed_c10d"
 _FIRST_POLL_S, _POLL_S = 0.2, 5.0  # the count's polling: until the first collective, after
 _record = {}
@@ -211,12 +221,30 @@ def _die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _stacks() -> None:
+    """Dump every thread's stack into this process's file in the launch's stacks folder on the
+    harness's signal; nothing when the launch names none, or when the signal already has a
+    handler or is ignored (a job's own is never replaced)."""
+    import signal
+
+    folder, number = os.environ.get(_STACKS_ENV), os.environ.get(_STACK_SIGNAL_ENV)
+    if not folder or not number or signal.getsignal(int(number)) != signal.SIG_DFL:
+        return
+    import faulthandler
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.txt")
+    _state["stacks"] = f = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open for good
+    faulthandler.register(int(number), file=f, all_threads=True, chain=False)
+
+
 def _start() -> None:
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
     _record.update(pid=os.getpid(), host=socket.gethostname(), env=env, joined=[])
     _write()
     sys.meta_path.insert(0, _C10dFinder())
     _die_with_launcher()
+    _stacks()
 
 
 def fork_record(world_dir: str) -> None:
@@ -255,4 +283,9 @@ if os.environ.get(_DIR_ENV) and "LOCAL_RANK" in os.environ and _CHILD_ENV not in
         pass
 elif os.environ.get(_DIR_ENV) and _LAUNCHER_ENV not in os.environ:
     os.environ[_LAUNCHER_ENV] = str(os.getpid())  # the launch's first process: torchrun
+    if os.environ.pop(_PLAIN_ENV, None):  # or the plain job itself (not what it starts)
+        try:
+            _stacks()
+        except Exception:  # noqa: BLE001
+            pass
 _chain()

@@ -1,0 +1,243 @@
+"""Run verl 0.7.1's ``main_ppo`` on CPU ranks: the SFT shim's patches plus those PPO needs.
+
+Loaded ONLY through verl's own hook, in every process that imports verl (the driver, Ray's
+TaskRunner, the worker and reward actors: Ray's local cluster passes the driver's environment on):
+``VERL_USE_EXTERNAL_MODULES=subjects.verl.rl_shim``, with the repository root on ``PYTHONPATH``
+(``subjects.verl.run_ppo`` sets both). Importing it applies ``subjects.verl.cpu_shim`` first
+(gloo for nccl, the engine lookup for cpu, ``torch.cpu`` memory calls, fp32 instead of CPU
+autocast, the qwen_vl_utils stand-in, data loading in the process); what PPO needs on top, each
+patch saying what fails without it:
+
+7. ``process group``: the legacy workers (``workers/fsdp_workers.py:158-160``) and the engine
+   workers (``utils/distributed.py:82``) initialise torch.distributed with
+   ``f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"``, which on CPU (with patch 1) is
+   ``"cpu:gloo,cpu:gloo"``, and torch rejects it ("Duplicate device type cpu"). The patch wraps
+   ``torch.distributed.init_process_group`` so that a backend string naming only gloo, for cpu
+   alone, becomes plain ``"gloo"``; any other backend passes unchanged.
+8. ``rollout``: the rollout registry (``workers/rollout/base.py`` ``_ROLLOUT_REGISTRY``) holds
+   only vLLM, SGLang and TensorRT-LLM; the patch adds ``("parity_seeded", "async")``, the stand-in
+   of ``subjects.verl.rl_rollout`` (the command line selects it with
+   ``actor_rollout_ref.rollout.name=parity_seeded`` and its manager with
+   ``+actor_rollout_ref.rollout.agent.agent_loop_manager_class=...``).
+9. ``value head attention``: the legacy critic loads its model through
+   ``verl.utils.model.load_valuehead_model``, which passes
+   ``attn_implementation="flash_attention_2"`` to ``from_pretrained`` whatever the config says
+   (``utils/model.py:633-640``); flash-attn has no CPU build, so transformers raises and verl
+   reports "not a value head model, please install trl". The patch loads with the attention the
+   critic's config asks for (``+critic.model.override_config.attn_implementation=sdpa``), as
+   the engine path does; the weights loaded are the same.
+10. ``padding helpers``: the engine path turns the trainer's padded batches into packed ones
+   (``workers/utils/padding.py:53`` ``left_right_2_no_padding``) with ``unpad_input`` of
+   ``verl.utils.attention_utils``, which imports ``flash_attn.bert_padding`` unless the host is
+   an NPU (``utils/attention_utils.py:27-30``): no flash-attn, no module. Those four helpers are
+   plain torch (index, gather, scatter); verl ships the same code for NPU in
+   ``verl.utils.npu_flash_attn_utils`` (torch and einops only). The patch takes them from there
+   where flash_attn cannot be imported; nothing else changes.
+
+A diagnostic, off unless asked (``subjects.verl.run_ppo --dump``): with ``PARITY_VERL_DUMP=DIR``
+the trainer saves, at every step, the batch tensors it computed the old log-probs and values of
+(``DIR/step{N}.pt``: input ids, masks, ``old_log_probs``, ``entropys``, ``values``); on the engine
+side rank 0 also saves the actor's parameters at each log-prob pass (``engine_actor{K}.pt``) and
+the model inputs of its first two forwards (``engine_actor_inputs{K}.pt``); the rollout stand-in
+saves the weights each sync sends it (``rollout_weights{K}.pt``). Numbers are unchanged.
+
+``applied()`` (from ``subjects.verl.cpu_shim``) lists every patch in force.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed
+
+from subjects.verl import cpu_shim
+from subjects.verl.cpu_shim import _note, applied  # noqa: F401 - applied is this module's API too
+from subjects.verl.hooks import after_import
+
+ROLLOUT = "parity_seeded"
+ROLLOUT_CLASS = "subjects.verl.rl_rollout.SeededRollout"
+
+
+# -- 7. one gloo backend for cpu -----------------------------------------------------------------
+
+
+def _only_gloo(backend) -> bool:
+    if not isinstance(backend, str) or "," not in backend:
+        return False
+    parts = {part.strip() for part in backend.split(",")}
+    return parts == {"cpu:gloo"}
+
+
+def _patch_process_group() -> None:
+    original = torch.distributed.init_process_group
+    if getattr(original, "_parity_shim", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        if args and _only_gloo(args[0]):
+            args = ("gloo", *args[1:])
+        if _only_gloo(kwargs.get("backend")):
+            kwargs["backend"] = "gloo"
+        return original(*args, **kwargs)
+
+    init_process_group._parity_shim = True
+    torch.distributed.init_process_group = init_process_group
+    _note("process group: backend 'cpu:gloo,cpu:gloo' -> 'gloo'")
+
+
+# -- 8. the seeded rollout in verl's registry ----------------------------------------------------
+
+
+def _register_rollout(base) -> None:
+    base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = ROLLOUT_CLASS
+    _note(f"rollout: _ROLLOUT_REGISTRY[({ROLLOUT!r}, 'async')] = {ROLLOUT_CLASS}")
+
+
+# -- 9. the legacy value head loaded with the configured attention -------------------------------
+
+
+def _patch_valuehead(model_utils) -> None:
+    original = model_utils.load_valuehead_model
+    if getattr(original, "_parity_shim", False):
+        return
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
+            trust_remote_code=trust_remote_code,
+            use_safetensors=True,
+        )
+
+    load_valuehead_model._parity_shim = True
+    model_utils.load_valuehead_model = load_valuehead_model
+    _note("value head attention: load_valuehead_model uses the config's attn_implementation")
+
+
+# -- 10. the packing helpers without flash-attn ---------------------------------------------------
+
+
+def _patch_padding_helpers(attention_utils) -> None:
+    import importlib.util
+
+    original = attention_utils._get_attention_functions
+    if getattr(original, "_parity_shim", False) or importlib.util.find_spec("flash_attn"):
+        return
+
+    def _get_attention_functions():
+        from verl.utils import npu_flash_attn_utils as plain
+
+        helpers = (plain.index_first_axis, plain.pad_input, plain.rearrange, plain.unpad_input)
+        (
+            attention_utils._index_first_axis,
+            attention_utils._pad_input,
+            attention_utils._rearrange,
+            attention_utils._unpad_input,
+        ) = helpers
+        return helpers
+
+    _get_attention_functions._parity_shim = True
+    attention_utils._get_attention_functions = _get_attention_functions
+    _note("padding helpers: unpad_input & co. from verl.utils.npu_flash_attn_utils (plain torch)")
+
+
+# -- diagnostic: the trainer's per-step tensors ---------------------------------------------------
+
+
+def _dump_tensors(ray_trainer) -> None:
+    import os
+
+    where = os.environ.get("PARITY_VERL_DUMP")
+    if not where:
+        return
+    trainer = ray_trainer.RayPPOTrainer
+    compute_old, compute_values = trainer._compute_old_log_prob, trainer._compute_values
+
+    def _save(self, name: str, tensors: dict) -> None:
+        path = os.path.join(where, f"step{self.global_steps}.pt")
+        saved = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        saved[name] = {k: v.detach().clone() for k, v in tensors.items()}
+        torch.save(saved, path)
+
+    def _compute_old_log_prob(self, batch):
+        old, mfu = compute_old(self, batch)
+        keys = ("input_ids", "attention_mask", "response_mask", "position_ids")
+        _save(self, "batch", {k: batch.batch[k] for k in keys})
+        _save(self, "old", {k: old.batch[k] for k in ("old_log_probs", "entropys")})
+        return old, mfu
+
+    def _compute_values(self, batch):
+        values = compute_values(self, batch)
+        _save(self, "values", {"values": values.batch["values"]})
+        return values
+
+    trainer._compute_old_log_prob = _compute_old_log_prob
+    trainer._compute_values = _compute_values
+    os.makedirs(where, exist_ok=True)
+    _note(f"dump: the trainer's per-step tensors into {where}")
+
+
+def _dump_engine_actor(engine_workers) -> None:
+    """With PARITY_VERL_DUMP: the engine actor's parameters as its log-prob pass sees them."""
+    import functools
+    import os
+
+    where = os.environ.get("PARITY_VERL_DUMP")
+    if not where:
+        return
+    worker = engine_workers.ActorRolloutRefWorker
+    original = worker.compute_log_prob
+
+    @functools.wraps(original)  # keeps verl's dispatch attributes
+    def compute_log_prob(self, data):
+        full = {}
+        for name, param in self.actor.engine.module.named_parameters():
+            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+            full[name] = tensor.detach().to("cpu", copy=True)
+        self._parity_calls = getattr(self, "_parity_calls", 0) + 1
+        if torch.distributed.get_rank() == 0:
+            torch.save(full, os.path.join(where, f"engine_actor{self._parity_calls}.pt"))
+        return original(self, data)
+
+    worker.compute_log_prob = compute_log_prob
+
+
+def _dump_engine_inputs(transformer_impl) -> None:
+    """With PARITY_VERL_DUMP: the model inputs of the engine actor's first two forwards (rank 0):
+    what its attention mask lets each token see."""
+    import os
+
+    where = os.environ.get("PARITY_VERL_DUMP")
+    if not where:
+        return
+    engine = transformer_impl.FSDPEngineWithLMHead
+    original = engine.prepare_model_inputs
+
+    def prepare_model_inputs(self, micro_batch):
+        inputs, args = original(self, micro_batch)
+        if type(self) is engine:  # the actor, not the value head that inherits this
+            calls = getattr(self, "_parity_calls", 0) + 1
+            self._parity_calls = calls
+            if calls <= 2 and torch.distributed.get_rank() == 0:
+                kept = {k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}
+                torch.save(kept, os.path.join(where, f"engine_actor_inputs{calls}.pt"))
+        return inputs, args
+
+    engine.prepare_model_inputs = prepare_model_inputs
+
+
+def install() -> None:
+    assert cpu_shim.applied() is not None  # its patches are in force once it is imported
+    _patch_process_group()
+    after_import("verl.workers.rollout.base", _register_rollout)
+    after_import("verl.utils.model", _patch_valuehead)
+    after_import("verl.utils.attention_utils", _patch_padding_helpers)
+    after_import("verl.trainer.ppo.ray_trainer", _dump_tensors)
+    after_import("verl.workers.engine_workers", _dump_engine_actor)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _dump_engine_inputs)
+
+
+install()
