@@ -25,7 +25,13 @@ from parity.files import launch_dir
 from parity.judge.compare import Comparison, Policy
 from parity.judge.diagnose import Diagnosis
 from parity.outdir import OutDir, write_json_new
-from parity.pair import teardown_line, teardown_notes, teardown_verdict, topology_notes
+from parity.pair import (
+    teardown_line,
+    teardown_notes,
+    teardown_verdict,
+    topology_notes,
+    write_failed,
+)
 from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
 from parity.report import Report, build_report
 from parity.run.job import detected, holding, launch_spec, mark_teardown, no_run_line
@@ -255,10 +261,14 @@ def check_revisions(
     with OutDir.open(out) as held:
         held.claim(*_run_names(dirs.values()), "summary.json")
         with holding(spec, held) as shared:  # Slurm: both revisions on the same nodes
-            for side, label in zip(revs, labels, strict=True):
-                with worktree(root, commits[side], shared) as tree:
-                    carried.into(tree)
-                    launches[side] = run_in_tree(spec, tree, dirs[side], True, label, carried)
+            try:
+                for side, label in zip(revs, labels, strict=True):
+                    with worktree(root, commits[side], shared) as tree:
+                        carried.into(tree)
+                        launches[side] = run_in_tree(spec, tree, dirs[side], True, label, carried)
+            except LaunchError as e:
+                write_failed(out, e)
+                raise
         notes += topology_notes(dirs["base"], dirs["head"], "")
         report = build_report(
             dirs["base"], dirs["head"], policies, labels=labels, notes=notes, **_read(read)

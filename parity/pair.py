@@ -14,6 +14,7 @@ rerun), summary.json / summary.md and report.md / report.html.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from parity.judge.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
 from parity.outdir import OutDir, write_json_new, write_new
 from parity.run import job
 from parity.run.job import Run
-from parity.run.launch import LaunchResult
+from parity.run.launch import LaunchError, LaunchResult
 from parity.spec import JobSpec, PairSpec, SpecError
 
 if TYPE_CHECKING:
@@ -243,11 +244,15 @@ def run_pair(
     with OutDir.open(out) as held:
         held.claim(*PAIR_ENTRIES)  # before anything runs: refused if the user's is in the way
         with job.holding(spec_a, held):  # Slurm: the sides in one allocation
-            result = run_sides(
-                pair, out, policies, in_process,
-                allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
-                at_source_precision=at_source_precision,
-            )  # fmt: skip
+            try:
+                result = run_sides(
+                    pair, out, policies, in_process,
+                    allow_teardown_failure=allow_teardown_failure, noise_floor=noise_floor,
+                    at_source_precision=at_source_precision,
+                )  # fmt: skip
+            except LaunchError as e:
+                write_failed(out, e, report=report)
+                raise
             return finish_pair(result, trace=trace, report=report)
 
 
@@ -395,6 +400,27 @@ def write_summary(result: PairResult) -> None:
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", table)), default=0))
     text = f"# parity: {result.verdict}\n{note}\n{fence}\n{table}\n{fence}\n"  # can't close it
     write_new(result.dir / "summary.md", text)
+
+
+def write_failed(out: Path, error: LaunchError, *, report: bool = True) -> None:
+    """summary.json (verdict "failed": which run, why, the launch's account) and, with
+    ``report``, report.md / report.html saying the same: a run that crashed, hung or stalled
+    leaves what a CI step summary shows, where each rank waited included. A job that refused
+    its arguments (bad input, exit 2) leaves nothing."""
+    launch = error.result
+    if launch.refused_arguments is not None:
+        return
+    summary = {"verdict": "failed", "run": error.label, "launch": launch.to_dict(),
+               "error": str(error)}  # fmt: skip
+    write_json_new(out / "summary.json", json.loads(json.dumps(summary, default=str)))
+    if report:
+        from parity.report import write_failure_report
+
+        why = f" ({launch.stalled or launch.reason})"
+        headline = f"{error.label or 'a run'} failed{why}" + (
+            f": {launch.stacks}" if launch.stacks else ""
+        )
+        write_failure_report(out, headline, str(error))
 
 
 def write_pair_report(result: PairResult) -> Path:

@@ -557,6 +557,26 @@ img {{ max-width: 100%; }}
 """
 
 
+def write_failure_report(out_dir: str | os.PathLike[str], headline: str, text: str) -> Path:
+    """report.md and report.html for a command whose run failed, so that there is no comparison
+    to show: the headline (which side, why) and ``text`` (the launch's account: where each rank
+    waited, its log tails) as written; returns report.md's path. Names taken are refused, as
+    ``Report.write``."""
+    out = Path(out_dir)
+    fence = "`" * max(3, _longest_run(text, "`") + 1)
+    markdown = f"# parity: failed\n\n{_md_paragraph(headline)}\n\n{fence}text\n{text}\n{fence}\n"
+    body = (
+        '<h1 class="diverged">parity: failed</h1>'
+        f"<p>{html.escape(printable(headline), quote=True)}</p>"
+        f"<pre>{html.escape(text, quote=True)}</pre>"
+    )
+    with OutDir.open(out) as held:
+        held.claim("report.html", "report.md")
+        write_new(out / "report.html", _PAGE.format(title="parity: failed", body=body))
+        write_new(out / "report.md", markdown)
+    return out / "report.md"
+
+
 def build_report(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],

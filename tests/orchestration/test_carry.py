@@ -124,6 +124,9 @@ def test_without_carry_the_revision_lacks_its_data(repo, tmp_path):
     assert "FileNotFoundError" in err
     assert ("hint: data/train.bin is in your checkout but not in the revision's worktree (git "
             "does not track it): carry it with --carry data/train.bin") in err  # fmt: skip
+    report = (tmp_path / "report.md").read_text()  # the CI step summary says so too
+    assert report.startswith("# parity: failed\n") and "carry it with --carry" in report
+    assert json.loads((tmp_path / "summary.json").read_text())["verdict"] == "failed"
 
 
 def test_carried_inputs_are_aligned_and_recorded(repo, tmp_path):

@@ -64,6 +64,13 @@ def test_a_collective_only_rank_0_entered_is_named_well_before_the_timeout(
         assert Path(path).name == f"rank{rank}.txt"
         assert "most recent call first" in Path(path).read_text()
     assert f"stacks: {', '.join(verdict['stack_files'])}" in verdict["error"]
+    # what a CI step summary shows: the report says which side stalled and where each rank waits
+    report = (tmp_path / "pair" / "report.md").read_text()
+    assert report.startswith("# parity: failed\n") and "(no new step for 3." in report
+    assert verdict["stacks"].split(" at ")[0] in report and verdict["stack_files"][1] in report
+    assert "parity: failed" in (tmp_path / "pair" / "report.html").read_text()
+    summary = json.loads((tmp_path / "pair" / "summary.json").read_text())
+    assert summary["verdict"] == "failed" and summary["launch"]["reason"] == "stall"
 
 
 @pytest.mark.parity
