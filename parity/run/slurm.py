@@ -69,6 +69,9 @@ ENDED = {
 HEARTBEAT_S = 30  # an agent whose harness has not touched its heartbeat for this long ends
 BEAT_EVERY_S = 2.0  # how often the harness touches it (a thread, whatever the harness does)
 STATE_EVERY_S = 2.0  # how often Slurm itself is asked (files are looked at every poll_s)
+#: how long a step that ended by a signal waits for Slurm to show the job ended: at its time
+#: limit Slurm signals the step and the agent alike, so the step's exit can come first
+SIGNALLED_STEP_S = 3.0
 #: srun's line for a task that failed:  srun: error: n2: task 1: Exited with exit code 1
 _SRUN_TASK = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+)")
 _SRUN_SIGNALS = {"Killed": 9, "Terminated": 15, "Aborted": 6, "Segmentation fault": 11,
@@ -368,11 +371,7 @@ class Allocation:
             if now - asked >= STATE_EVERY_S:
                 asked, state = now, job_state(self.job_id)
                 if state.ended and not exit_file.exists():
-                    self.ended_state = state
-                    self.failure = f"the allocation ended while {side.label} ran: {state.line()}"
-                    with Allocation._lock:
-                        Allocation._live.discard(self)
-                    return side.result(self, None, start, note=self.failure, state=state)
+                    return self._ended_under(side, state, start)
             if now >= deadline:
                 timed_out = True
                 step = f"{self.job_id}.{side.step_id() or '?'}"
@@ -393,7 +392,30 @@ class Allocation:
             self.beat()
             time.sleep(self.launcher.poll_s)
         code = _read_int(exit_file)
+        if code is not None and code > 128 and not timed_out:
+            state = self._ended_within(SIGNALLED_STEP_S)
+            if state is not None:  # Slurm ended the job (its time limit): that is the reason
+                return self._ended_under(side, state, start)
         return side.result(self, code, start, timed_out=timed_out, note=note)
+
+    def _ended_within(self, wait_s: float) -> JobState | None:
+        """The job's state once Slurm shows it ended, within ``wait_s``; None if it runs on."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            state = job_state(self.job_id)
+            if state.ended:
+                return state
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.25)
+
+    def _ended_under(self, side: Side, state: JobState, start: float) -> LaunchResult:
+        """The side's result when the allocation ended while it ran (TIMEOUT, NODE_FAIL, ...)."""
+        self.ended_state = state
+        self.failure = f"the allocation ended while {side.label} ran: {state.line()}"
+        with Allocation._lock:
+            Allocation._live.discard(self)
+        return side.result(self, None, start, note=self.failure, state=state)
 
     def _cancel_step(self, side: Side, exit_file: Path, wait_s: float = 30.0) -> None:
         """scancel this side's srun step (the agent goes on to the next side)."""

@@ -510,3 +510,24 @@ def test_a_step_script_holds_no_secret_and_its_job_still_gets_it(tmp_path):
     assert not secrets.exists()
     written = [*allocation.folder.rglob("*"), *side.run_dir.rglob("*")]  # not the stand-ins
     assert [p for p in written if p.is_file() and SECRET in p.read_text()] == []
+
+
+def test_a_step_signalled_as_its_allocation_ends_is_failed_with_slurms_end(tmp_path, monkeypatch):
+    """At its time limit Slurm signals the step and the agent at once, so the step's exit (143)
+    can be written before Slurm shows the job ended: the side is failed with Slurm's end
+    (TIMEOUT, TimeLimit), as when the job's state comes first, never as the job's own crash."""
+    from parity.run import slurm
+    from parity.spec import LauncherSpec
+
+    launcher = LauncherSpec.from_value({"kind": "slurm"})
+    allocation = slurm.Allocation(launcher, 1, tmp_path / "allocation")
+    allocation.job_id = "7"
+    (allocation.folder / "steps").mkdir(parents=True)
+    (allocation.folder / "steps" / "0.exit").write_text("143\n")
+    states = iter([slurm.JobState("7", "RUNNING"), slurm.JobState("7", "TIMEOUT", "TimeLimit")])
+    monkeypatch.setattr(slurm, "job_state", lambda job_id: next(states))
+    side = slurm.Side(["job.py"], 1, 1, tmp_path / "a.launch", 60.0, {}, None, None, None, 5.0,
+                      None, launcher, label="side a")  # fmt: skip
+    result = allocation._wait(side, 0, time.monotonic())
+    assert not result.ok and "TIMEOUT" in result.describe() and "TimeLimit" in result.describe()
+    assert allocation.failure.startswith("the allocation ended while side a ran")
