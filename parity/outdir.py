@@ -147,30 +147,51 @@ class OutDir:
             raise OutputError(f"{self.root}: not an entry name: {name!r}; choose another --out")
 
 
-_made_here: set[tuple[int, int]] = set()  # (device, inode) of each file write_new made
+#: each path write_new wrote, with what identifies the file it left there (device, inode, size,
+#: modification time in ns): a file put there since, even under a reused inode number, is not it
+_made_here: dict[Path, tuple[int, int, int, int]] = {}
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def write_new(path: str | os.PathLike[str], text: str) -> None:
     """Write ``path`` whole (a temp file, then a hard link to the name, which fails where anything
     is there): a file the user put under a name after it was claimed is never replaced, but
-    refused (OutputError); a file this process made with ``write_new`` is replaced atomically."""
-    path = Path(path)
+    refused (OutputError); the file this process last wrote there with ``write_new`` is replaced
+    atomically."""
+    path = Path(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are read by others
         try:
-            os.link(tmp, path)
+            _place(tmp, path)
         except FileExistsError:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) not in _made_here:
+            if _made_here.get(path) != _identity(path):
                 raise OutputError(_taken(path)) from None
             os.replace(tmp, path)
-        st = os.lstat(path)
-        _made_here.add((st.st_dev, st.st_ino))
+        _made_here[path] = _identity(path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def _place(tmp: str, path: Path) -> None:
+    """``tmp`` under the name ``path``; FileExistsError when anything is there. A hard link
+    where the file system has them; elsewhere (FAT, some network mounts) the name is taken
+    empty with O_EXCL, then the file renamed over that empty claim."""
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here
+        pass
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.replace(tmp, path)
 
 
 def write_json_new(path: str | os.PathLike[str], obj: object) -> None:

@@ -261,6 +261,27 @@ def test_what_this_command_wrote_it_may_write_again(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.name != ".parity-out"] == ["summary.md"]
 
 
+def test_without_hard_links_the_name_is_still_never_taken_over(tmp_path: Path, monkeypatch) -> None:
+    """A file system without hard links (FAT, some network mounts): written all the same, and a
+    name the user took meanwhile is still refused, their file kept."""
+    from parity.outdir import write_new
+
+    def no_links(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with OutDir.open(tmp_path) as held:
+        held.claim("report.md", "summary.md")
+        write_new(tmp_path / "report.md", "ours\n")
+        write_new(tmp_path / "report.md", "ours again\n")
+        (tmp_path / "summary.md").write_text("mine\n")
+        with pytest.raises(OutputError, match="summary.md: a file is already there"):
+            write_new(tmp_path / "summary.md", "ours\n")
+    assert (tmp_path / "report.md").read_text() == "ours again\n"
+    assert (tmp_path / "summary.md").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".parity-out", "report.md", "summary.md"]
+
+
 def test_a_bare_or_dotted_file_name_reports(tmp_path: Path, monkeypatch, capsys) -> None:
     """`parity report a.jsonl b.jsonl -o rep` (or ./a.jsonl): the files' folder is ".", whose
     launch folder is named by its path, not an internal error."""
