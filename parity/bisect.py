@@ -41,6 +41,7 @@ from parity.files import LAUNCH_SUFFIX, write_json_atomic
 from parity.judge.compare import Comparison, MetricResult, Policy, compare_frames, json_value
 from parity.outdir import OutDir, write_json_new, write_new
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
+from parity.record.runfolder import metrics_path
 from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
 from parity.run.signals import deferred
@@ -175,6 +176,10 @@ class _Reading:
     def frame(self, path: Path) -> pd.DataFrame:
         return read_metrics(path, self.fmt, run=self.run, duplicates=self.duplicates)
 
+    def options(self) -> dict[str, Any]:
+        """These options as the spec's `[read]` names them (parity.check.run_in_tree)."""
+        return {"format": self.fmt, "run": self.run, "duplicates": self.duplicates}
+
     def compare(self, a: Path, b: Path, policies: dict[str, Policy | str]) -> Comparison:
         return compare_frames(
             self.frame(a), self.frame(b), policies, allow_skipped=self.allow_skipped
@@ -208,8 +213,10 @@ def _test_commit(
     if carry is not None:
         carry.into(tree)  # again where the last commit's run changed the copies
     try:
-        run_in_tree(spec, tree, run_dir, label=f"commit {commit[:12]}", carry=carry)
-        comparison = (reading or _Reading()).compare(reference, run_dir, policies)
+        reading = reading or _Reading()
+        label = f"commit {commit[:12]}"
+        run_in_tree(spec, tree, run_dir, label=label, carry=carry, read=reading.options())
+        comparison = reading.compare(reference, run_dir, policies)
     except (LaunchError, MetricsError) as e:
         if not skip_failed:
             raise
@@ -340,9 +347,10 @@ def _bisect(
         _say(f"reference run of good {good_c[:12]} {_subject(root, good_c)}")
         if carry is not None:
             carry.into(tree)
-        run_in_tree(spec, tree, reference, label=f"good {good_c[:12]}", carry=carry)
+        label = f"good {good_c[:12]}"
+        run_in_tree(spec, tree, reference, label=label, carry=carry, read=reading.options())
     if reading.frame(reference).attrs.get("complete") is False:  # fail once, not in every step
-        raise MetricsError(f"{reference / 'metrics.jsonl'}: the good run is incomplete")
+        raise MetricsError(f"{metrics_path(reference)}: the good run is incomplete")
     state = _Bisection(
         spec, reference, out, dict(policies or {}), reading, good_c, bad_c,
         _expected_tests(root, good_c, bad_c), carry,

@@ -32,7 +32,14 @@ from parity.pair import (
     topology_notes,
     write_failed,
 )
-from parity.readers import SkippedRecordsError, read_metrics, read_summary, skipped_count
+from parity.readers import (
+    MetricsError,
+    SkippedRecordsError,
+    read_metrics,
+    read_summary,
+    skipped_count,
+)
+from parity.record.runfolder import metrics_path
 from parity.report import Report, build_report
 from parity.run.job import detected, holding, launch_spec, mark_teardown, no_run_line
 from parity.run.launch import LaunchError, LaunchResult
@@ -146,15 +153,19 @@ def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Pa
 _TEMPORARY: dict[Path, Path] = {}
 
 
-def origin(tree: Path) -> dict[str, Any]:
+def origin(tree: Path, carry: Carry | None = None) -> dict[str, Any]:
     """What the report needs to rerun a job that ran in ``tree`` once that is gone: for one of
     ``worktree``'s temporary worktrees, its repository, the commit checked out there now (bisect
-    moves it) and its path (named in the job's command); {} for any other folder."""
+    moves it) and its path (named in the job's command), and the inputs carried into it (where
+    from, which paths: the rerun's worktree needs them too); {} for any other folder."""
     repo = _TEMPORARY.get(tree)
     if repo is None:
         return {}
     commit = git(tree, "rev-parse", "HEAD")
-    return {"worktree": {"repo": str(repo), "commit": commit, "path": str(tree)}}
+    made = {"repo": str(repo), "commit": commit, "path": str(tree)}
+    if carry:
+        made["carry"] = {"from": str(carry.root), "paths": [item.path for item in carry.items]}
+    return {"worktree": made}
 
 
 def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
@@ -180,6 +191,7 @@ def run_in_tree(
     allow_teardown: bool = False,
     label: str | None = None,
     carry: Carry | None = None,
+    read: Mapping[str, Any] | None = None,
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
@@ -187,25 +199,43 @@ def run_in_tree(
     removed, so nothing an earlier run left is read as this run's). allow_teardown: a run that
     failed only at teardown (complete metrics, see `mark_teardown`) is returned, not ok and with its
     reason, for the caller to compare and report. carry: the inputs copied into ``tree``
-    (parity.carry); a run that changed them failed, whatever its exit.
+    (parity.carry); a run that changed them failed, whatever its exit. read: how the run is
+    read (spec.READ_OPTIONS, the spec's `[read]`): a run that only its named format reads is
+    a run, not "nothing readable".
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
     label = label or run_dir.name
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"PYTHONPATH": os.pathsep.join(paths)}
-    result = launch_spec(spec, run_dir, label, cwd=tree, env=env, origin=origin(tree))
+    result = launch_spec(spec, run_dir, label, cwd=tree, env=env, origin=origin(tree, carry))
     if not result.ok:
-        whole = mark_teardown(result, run_dir / "metrics.jsonl", result.started_at) is not None
+        whole = mark_teardown(result, metrics_path(run_dir), result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash
             _hint_carry(result, tree, carry)
             raise LaunchError(result, label)
-    elif not detected(run_dir):
+    elif not _readable(run_dir, read):
         result.set_fault("no-output", no_run_line(run_dir))
         raise LaunchError(result, label)
     if carry is not None and (changed := carry.changed(tree)):
         result.set_fault("carried-input", changed)
         raise LaunchError(result, label)
     return result
+
+
+def _readable(run_dir: Path, read: Mapping[str, Any] | None) -> bool:
+    """Whether ``run_dir`` holds a run to compare: one some format claims, or one the `[read]`
+    format reads (a format that is not detected, a plugin's that claims nothing, must be named
+    and is then read as named)."""
+    if detected(run_dir):
+        return True  # a run the named format cannot read: the comparison says why, naming it
+    options = {**READ_OPTIONS, **(read or {})}
+    if options["format"] is None:
+        return False
+    try:
+        read_metrics(run_dir, options["format"], run=options["run"], duplicates="last")
+    except MetricsError:
+        return False
+    return True
 
 
 def _hint_carry(result: LaunchResult, tree: Path, carry: Carry | None) -> None:
@@ -265,7 +295,9 @@ def check_revisions(
                 for side, label in zip(revs, labels, strict=True):
                     with worktree(root, commits[side], shared) as tree:
                         carried.into(tree)
-                        launches[side] = run_in_tree(spec, tree, dirs[side], True, label, carried)
+                        launches[side] = run_in_tree(
+                            spec, tree, dirs[side], True, label, carried, read
+                        )
             except LaunchError as e:
                 write_failed(out, e)
                 raise
@@ -351,13 +383,13 @@ def check_golden(
         except RevisionError:
             tree = Path.cwd()
     golden = Path(golden)
-    if golden.is_dir() and not (golden / "metrics.jsonl").is_file():
+    if golden.is_dir() and not metrics_path(golden).is_file():
         from parity.judge.golden import baselines
 
         if found := baselines(golden):  # which one is right is for the user to say
             raise RevisionError(
                 f"{golden}: a golden with one baseline per environment; pass one of them: "
-                + ", ".join(str(b / "metrics.jsonl") for b in found)
+                + ", ".join(str(metrics_path(b)) for b in found)
             )
     options = _read(read)
     frame = read_metrics(golden, options["fmt"], **options["read_a"])
@@ -374,7 +406,7 @@ def check_golden(
     with OutDir.open(out) as held:
         held.claim(*_run_names([run_dir]))
         launch_result = run_in_tree(
-            spec, Path(tree).resolve(), run_dir, allow_teardown=True, label="current tree"
+            spec, Path(tree).resolve(), run_dir, True, "current tree", read=read
         )
         notes = [f"golden = {golden}", f"current = the working tree at {tree}, as it is now"]
         report = build_report(

@@ -42,6 +42,7 @@ from parity.judge.diagnose import Diagnosis, diagnose
 from parity.judge.golden import read_manifest
 from parity.outdir import OutDir, write_new
 from parity.readers import MetricsError, present_mask, read_metrics
+from parity.record.runfolder import MANIFEST, manifest_path
 
 __all__ = ["Report", "Side", "build_report", "load_side", "side_of", "write_report"]
 
@@ -96,13 +97,13 @@ def side_of(frame: pd.DataFrame, path: str | os.PathLike[str], label: str) -> Si
     p = Path(path)
     run_dir: Path | None = p
     if not p.is_dir():
-        near = [p.parent / "manifest.json", p.parent / "launcher.log"]
+        near = [manifest_path(p.parent), p.parent / "launcher.log"]
         near.append(launch_dir(p.parent) / "launcher.log")
         run_dir = p.parent if any(f.is_file() for f in near) else None
     side = Side(label, Path(frame.attrs.get("source", p)), frame, run_dir)
     if run_dir is None:
         return side
-    manifest = run_dir / "manifest.json"
+    manifest = manifest_path(run_dir)
     if manifest.is_file():
         try:  # a damaged manifest is a line of the report, never the end of it
             side.manifest = read_manifest(manifest)
@@ -131,10 +132,11 @@ def side_of(frame: pd.DataFrame, path: str | os.PathLike[str], label: str) -> Si
 _ARGV = "job sys.argv on rank 0"  # what the job saw, not a command: a comment in report.md
 
 
-def _ran_in(run_dir: Path) -> dict[str, str]:
+def _ran_in(run_dir: Path) -> dict[str, Any]:
     """Where the launch ran (parity.run.job.launch_spec's reproduce.json): ``cwd``, and for a
-    temporary worktree of check or bisect, gone by now, its ``repo``, ``commit`` and ``path``;
-    {} for a run without it (an older one, one the harness did not launch) or a damaged one."""
+    temporary worktree of check or bisect, gone by now, its ``repo``, ``commit`` and ``path``
+    (and ``carry``: the inputs copied into it, parity.carry); {} for a run without it (an older
+    one, one the harness did not launch) or a damaged one."""
     try:
         found = json.loads((launch_dir(run_dir) / REPRODUCE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -144,9 +146,22 @@ def _ran_in(run_dir: Path) -> dict[str, str]:
     tree = found.get("worktree")
     keys = ("repo", "commit", "path")
     if isinstance(tree, dict) and all(isinstance(tree.get(k), str) and tree[k] for k in keys):
-        return {k: tree[k] for k in keys}
+        return {**{k: tree[k] for k in keys}, **_carried(tree.get("carry"))}
     cwd = found.get("cwd")
     return {"cwd": cwd} if isinstance(cwd, str) and cwd else {}
+
+
+def _carried(carry: Any) -> dict[str, Any]:
+    """reproduce.json's carried inputs (the checkout they came from, their paths) when they are
+    well formed: the rerun copies them into its worktree as check and bisect did."""
+    if not isinstance(carry, dict):
+        return {}
+    root, paths = carry.get("from"), carry.get("paths")
+    if not (isinstance(root, str) and root and isinstance(paths, list) and paths):
+        return {}
+    if not all(isinstance(p, str) and p and ".." not in p.split("/") for p in paths):
+        return {}
+    return {"carry_from": root, "carry": paths}
 
 
 def _script_line(what: str, command: str) -> str:
@@ -159,7 +174,7 @@ def _fresh_tree(ran_in: Mapping[str, str]) -> str:
     return os.path.join(tempfile.gettempdir(), f"parity-{ran_in['commit'][:12]}")
 
 
-def _setup(ran_in: Mapping[str, str]) -> list[tuple[str, str]]:
+def _setup(ran_in: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The commands before the launcher's: make the revision's worktree again (check's and
     bisect's was removed after the run) and cd into it, or cd into the folder the job ran in."""
     q = shlex.quote
@@ -168,11 +183,25 @@ def _setup(ran_in: Mapping[str, str]) -> list[tuple[str, str]]:
         return [
             ("make the revision's worktree (the run's own was removed after it)",
              f"git -C {q(repo)} worktree add --detach {q(tree)} {q(commit)}"),
+            *_carry_commands(ran_in, tree),
             ("in it", f"cd {q(tree)}"),
         ]  # fmt: skip
     if "cwd" in ran_in:
         return [("in the folder it ran in", f"cd {q(ran_in['cwd'])}")]
     return []
+
+
+def _carry_commands(ran_in: Mapping[str, Any], tree: str) -> list[tuple[str, str]]:
+    """The copies of the carried inputs (paths git ignores) into the remade worktree, from the
+    checkout they were carried from, as check and bisect copied them."""
+    q, root = shlex.quote, ran_in.get("carry_from", "")
+    commands = []
+    for path in ran_in.get("carry", []):
+        parent = os.path.dirname(path)
+        made = f"mkdir -p {q(os.path.join(tree, parent))} && " if parent else ""
+        copy = f"cp -R {q(os.path.join(root, path))} {q(os.path.join(tree, path))}"
+        commands.append((f"carry {path} (git ignores it; check copied it)", made + copy))
+    return commands
 
 
 def _moved(command: str, ran_in: Mapping[str, str]) -> str:
@@ -310,9 +339,10 @@ def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
     from matplotlib.ticker import MaxNLocator
 
     d = _per_step(a, b, m.name, m.ulp_dtype)
-    fig = Figure(figsize=(10, 3), dpi=80, layout="constrained")
+    fig = Figure(figsize=(10, 3), dpi=80)  # fixed margins: a layout engine doubles the cost
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2, sharex=True)
+    fig.subplots_adjust(left=0.09, right=0.92, bottom=0.16, top=0.84, wspace=0.34)
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.plot(d.index, d["a"], "-o", ms=3, label="A")
     left.plot(d.index, d["b"], "--x", ms=4, label="B")
@@ -417,7 +447,7 @@ class Report:
                 mark = "≠" if differs else ""
                 out.append(f"| {mark} | {md(key)} | {md(va)} | {md(vb)} |")
         elif not errors:
-            out.append("no manifest.json on either side")
+            out.append(f"no {MANIFEST} on either side")
         out += ["", "### Reproduce", ""]
         for side in (self.a, self.b):
             out.append(f"{_md_paragraph(side.label)}:")
@@ -482,7 +512,7 @@ class Report:
                 )
             body.append("</table>")
         else:
-            body.append("<p>no manifest.json on either side</p>")
+            body.append(f"<p>no {MANIFEST} on either side</p>")
 
         body.append("<h2>Reproduce</h2>")
         for side in (self.a, self.b):

@@ -26,6 +26,7 @@ import yaml
 
 from parity import tasks
 from parity.errors import SpecError
+from parity.secrets import masked_env  # re-exported: the spec's own name for it
 from parity.tasks import CUSTOM
 
 TABLES = ("a", "b", "policies", "read", "check")  # a spec file's tables beside the job's keys
@@ -520,15 +521,6 @@ def load_check_options(path: str | Path | None) -> dict[str, Any]:
         raise SpecError(f"{path}: check.carry must be a list of paths, got {carry!r}")
     _refuse_nul({"check.carry": carry})
     return options
-
-
-_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-
-
-def masked_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with the values of variables whose names hold TOKEN, KEY, SECRET or PASSWORD
-    replaced by ``***``: what may be shown in logs and reports."""
-    return {k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in env.items()}
 
 
 # --- helpers -----------------------------------------------------------------------------------

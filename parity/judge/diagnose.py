@@ -27,9 +27,7 @@ one-line error naming the file and line, kept in ``errors`` so the verdict still
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,14 @@ from parity.judge.compare import Comparison, compare_frames, json_value, printab
 from parity.judge.opdiff import OpDiff, compare_ops
 from parity.readers import MetricsError, read_metrics
 from parity.readers.frame import steps_text
+from parity.readers.runfolder import (
+    DiagnosisError,
+    rank_files,
+    read_fingerprints,
+    read_rank_data,
+    run_folder,
+)
+from parity.record.runfolder import FINGERPRINTS, RANKS_DIR, fingerprints_path, rank_file_name
 
 __all__ = [
     "DataDiff",
@@ -54,125 +60,9 @@ __all__ = [
     "run_folder",
 ]
 
-RANKS_DIR, FINGERPRINTS = "ranks", "fingerprints.jsonl"
 KINDS = ("prompts", "rollout", "train", "val")  # digest kinds, in the order a step runs them
 _WHAT = {"prompts": "prompts", "rollout": "rollouts", "train": "batches", "val": "val batches"}
-_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
 MAX_NAMES = 3  # tensor names quoted in one line
-
-
-class DiagnosisError(MetricsError):
-    """A diagnosis file that cannot be read; the message names the file and line."""
-
-
-def run_folder(path: str | os.PathLike[str]) -> Path | None:
-    """The run folder of a run folder or of a metrics file in one (None for a bare log file)."""
-    p = Path(path)
-    if p.is_dir():
-        return p
-    parent = p.parent
-    has = (parent / RANKS_DIR).is_dir() or (parent / FINGERPRINTS).is_file()
-    return parent if has else None
-
-
-# --- reading ------------------------------------------------------------------------------------
-
-
-def _records(path: Path) -> tuple[list[tuple[int, dict]], bool]:
-    """(line number, record) of a JSONL file with an optional end record; complete or not.
-
-    A last line cut off mid-write (no newline) is dropped and makes the file incomplete.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DiagnosisError(f"{path}: cannot read: {e}") from None
-    lines = text.split("\n")
-    out: list[tuple[int, dict]] = []
-    seen: dict[int, int] = {}
-    end: int | None = None
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if end is not None:
-            raise DiagnosisError(f"{path}:{lineno}: record after the end record of line {end}")
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            if lineno == len(lines):  # no newline after it: the writer was cut off
-                return out, False
-            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise DiagnosisError(f"{path}:{lineno}: not valid JSON: {why}") from None
-        if not isinstance(rec, dict):
-            raise DiagnosisError(f"{path}:{lineno}: record is not a JSON object")
-        if "event" in rec:
-            if rec.get("event") != "end":
-                raise DiagnosisError(f"{path}:{lineno}: unknown event {rec.get('event')!r}")
-            end = lineno
-            continue
-        step = rec.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise DiagnosisError(f"{path}:{lineno}: 'step' must be a non-negative integer")
-        if step in seen:
-            raise DiagnosisError(f"{path}:{lineno}: duplicate step {step} (line {seen[step]})")
-        seen[step] = lineno
-        out.append((lineno, rec))
-    return out, end is not None
-
-
-def _rank_files(run_dir: Path) -> dict[int, Path]:
-    folder = run_dir / RANKS_DIR
-    if not folder.is_dir():
-        return {}
-    found = {}
-    try:
-        entries = list(folder.iterdir())
-    except OSError as e:
-        raise DiagnosisError(f"{folder}: cannot read: {e}") from None
-    for p in entries:
-        m = _RANK_FILE.fullmatch(p.name)
-        if m:
-            found[int(m.group(1))] = p
-    return dict(sorted(found.items()))
-
-
-def read_rank_data(run_dir: str | os.PathLike[str]) -> dict[int, dict[int, dict[str, dict]]]:
-    """rank -> step -> {kind: {"hash", and counts}}, kinds as in KINDS (SFT: train, val).
-
-    {} when the run has no ranks/ folder; DiagnosisError on a malformed record.
-    """
-    out: dict[int, dict[int, dict[str, dict]]] = {}
-    for rank, path in _rank_files(Path(run_dir)).items():
-        steps: dict[int, dict[str, dict]] = {}
-        for lineno, rec in _records(path)[0]:
-            meta = rec.get("_meta", {})
-            data = meta.get("data", {}) if isinstance(meta, dict) else None
-            where = f"{path}:{lineno}: step {rec['step']}"
-            if not isinstance(data, dict):
-                raise DiagnosisError(f"{where}: _meta.data is not a JSON object")
-            for kind, d in data.items():
-                if not isinstance(d, dict) or not isinstance(d.get("hash"), str):
-                    raise DiagnosisError(f"{where}: _meta.data.{kind}.hash is not a string")
-            steps[rec["step"]] = data
-        out[rank] = steps
-    return out
-
-
-def read_fingerprints(path: str | os.PathLike[str]) -> dict[int, dict[str, dict[str, Any]]]:
-    """step -> {"params": {name: hash}, "grads": {name: hash or None}} from fingerprints.jsonl."""
-    path = Path(path)
-    out: dict[int, dict[str, dict[str, Any]]] = {}
-    for lineno, rec in _records(path)[0]:
-        for key in ("params", "grads"):
-            table = rec.get(key)
-            if not isinstance(table, dict) or not all(
-                isinstance(v, str) or v is None for v in table.values()
-            ):
-                raise DiagnosisError(
-                    f"{path}:{lineno}: step {rec['step']}: {key!r} must map names to hashes"
-                )
-        out[rec["step"]] = {"params": rec["params"], "grads": rec["grads"]}
-    return out
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -319,10 +209,10 @@ def rank_agreement(run_dir: str | os.PathLike[str]) -> RankAgreement:
     Raises DiagnosisError (or MetricsError) naming the file and line of a malformed rank file.
     """
     run_dir = Path(run_dir)
-    files = _rank_files(run_dir)
+    files = rank_files(run_dir)
     result = RankAgreement(str(run_dir), ranks=len(files))
     if 0 not in files:
-        result.detail = f"no {RANKS_DIR}/rank0.jsonl in {run_dir}"
+        result.detail = f"no {RANKS_DIR}/{rank_file_name(0)} in {run_dir}"
         return result
     base = read_metrics(files[0], "jsonl")
     for rank, path in files.items():
@@ -394,7 +284,7 @@ def compare_data(
 def compare_fingerprints(a_dir: Path | None, b_dir: Path | None) -> FingerprintDiff:
     """First fingerprinted step where A's and B's weights, then gradients, differ."""
     out = FingerprintDiff()
-    have = [d is not None and (d / FINGERPRINTS).is_file() for d in (a_dir, b_dir)]
+    have = [d is not None and fingerprints_path(d).is_file() for d in (a_dir, b_dir)]
     if not any(have):
         return out
     if not all(have):
@@ -405,7 +295,7 @@ def compare_fingerprints(a_dir: Path | None, b_dir: Path | None) -> FingerprintD
         )
         return out
     assert a_dir is not None and b_dir is not None
-    fa, fb = read_fingerprints(a_dir / FINGERPRINTS), read_fingerprints(b_dir / FINGERPRINTS)
+    fa, fb = (read_fingerprints(fingerprints_path(d)) for d in (a_dir, b_dir))
     out.steps_compared = sorted(set(fa) & set(fb))
     if not out.steps_compared:
         out.detail = "no step fingerprinted on both sides"

@@ -30,6 +30,7 @@ import pandas as pd
 from parity.files import write_json_atomic
 from parity.judge.compare import Comparison, compare_frames, default_policy, printable
 from parity.readers import MetricsError, read_metrics, write_metrics
+from parity.record.runfolder import manifest_path, metrics_path
 
 FINGERPRINT_KEYS = (
     "environment.python",
@@ -125,7 +126,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 def _manifest(folder: Path) -> dict[str, Any]:
     """A run's or golden's manifest.json, or a one-line GoldenError naming the file."""
-    return read_manifest(Path(folder) / "manifest.json")
+    return read_manifest(manifest_path(folder))
 
 
 def baseline_name(env: dict[str, Any]) -> str:
@@ -145,9 +146,9 @@ def baselines(golden_dir: Path) -> list[Path]:
     """Every baseline of a golden: the folder itself (the older one-baseline layout), then each
     subfolder holding a metrics.jsonl, by name."""
     golden_dir = Path(golden_dir)
-    found = [golden_dir] if (golden_dir / "metrics.jsonl").is_file() else []
+    found = [golden_dir] if metrics_path(golden_dir).is_file() else []
     if golden_dir.is_dir():
-        found += sorted(p for p in golden_dir.iterdir() if (p / "metrics.jsonl").is_file())
+        found += sorted(p for p in golden_dir.iterdir() if metrics_path(p).is_file())
     return found
 
 
@@ -177,8 +178,8 @@ def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> Pa
     env = fingerprint(_manifest(run_dir))
     target = baseline_for(golden_dir, run_dir) or golden_dir / baseline_name(env)
     target.mkdir(parents=True, exist_ok=True)
-    write_metrics(frame, target / "metrics.jsonl", "jsonl")
-    write_json_atomic(target / "manifest.json", {"golden": {"spec": spec or {}}, **_nest(env)})
+    write_metrics(frame, metrics_path(target), "jsonl")
+    write_json_atomic(manifest_path(target), {"golden": {"spec": spec or {}}, **_nest(env)})
     return target
 
 
@@ -241,14 +242,14 @@ def verify_golden(golden_dir: Path, run_dir: Path, policies=None) -> GoldenResul
     run = _compared(read_metrics(run_dir))
     if len(golden.index) != len(run.index) or list(golden.index) != list(run.index):
         raise GoldenError(
-            f"{baseline / 'metrics.jsonl'}: golden has {len(golden.index)} steps "
+            f"{metrics_path(baseline)}: golden has {len(golden.index)} steps "
             f"({golden.index.min()}..{golden.index.max()}), the run has {len(run.index)} "
             f"({run.index.min()}..{run.index.max()})"
         )
     dropped = sorted(set(golden.columns) - set(run.columns))
     if dropped:
         raise GoldenError(
-            f"{baseline / 'metrics.jsonl'}: metrics of the golden the run no longer logs: "
+            f"{metrics_path(baseline)}: metrics of the golden the run no longer logs: "
             + ", ".join(map(printable, dropped))
         )
     # a metric added since the golden was recorded cannot have regressed: listed, not judged

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from parity.readers import MetricsError
+from parity.record.runfolder import OP_VALUES_SUFFIX, OPS_DIR, numbered_files, ops_dir
 
-OPS_DIR = "ops"
-_RANK_FILE = re.compile(r"rank(\d+)\.jsonl")
 _TENSOR = re.compile(r"^[0-9a-f]{16}$")  # a tensor input's hash; else a scalar ("float32=0.5",
 # a one-element tensor) or another argument's repr
 MAX_STRUCTURAL = 20  # ops only one side has, kept in the result
@@ -115,14 +114,7 @@ def read_ops(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
 
 
 def trace_ranks(run_dir: Path | None) -> dict[int, Path]:
-    if run_dir is None or not (run_dir / OPS_DIR).is_dir():
-        return {}
-    found = {}
-    for p in (run_dir / OPS_DIR).iterdir():
-        m = _RANK_FILE.fullmatch(p.name)
-        if m:
-            found[int(m.group(1))] = p
-    return dict(sorted(found.items()))
+    return {} if run_dir is None else numbered_files(ops_dir(run_dir))
 
 
 def where(rec: dict[str, Any]) -> str:
@@ -220,7 +212,7 @@ def _load_values(path: Path) -> dict:
     file when it cannot be read."""
     import torch
 
-    pt = path.with_suffix(".pt")
+    pt = path.with_suffix(OP_VALUES_SUFFIX)
     if not pt.is_file():
         return {}
     try:
@@ -239,9 +231,8 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
     for side, end, path in (("a", ea, pa), ("b", eb, pb)):
         if end is None:
             raise OpTraceError(f"{path}: no end record (the traced step did not finish)")
-        size = path.stat().st_size + (
-            path.with_suffix(".pt").stat().st_size if path.with_suffix(".pt").is_file() else 0
-        )
+        values = path.with_suffix(OP_VALUES_SUFFIX)
+        size = path.stat().st_size + (values.stat().st_size if values.is_file() else 0)
         out.cost[side] = {"seconds": end.get("seconds"), "ops": end.get("ops"), "bytes": size}
     if ea.get("step") != eb.get("step"):
         out.detail = f"a traced step {ea.get('step')}, b step {eb.get('step')}: not comparable"

@@ -75,6 +75,7 @@ from parity.readers.frame import (
     skipped_count,
 )
 from parity.readers.write import WRITABLE, write_metrics
+from parity.record.runfolder import METRICS, metrics_path
 
 __all__ = [
     "DUPLICATE_RULES",
@@ -408,13 +409,13 @@ def detect(path: str | os.PathLike[str]) -> Format:
     if not p.exists():
         raise MetricsError(f"{p}: cannot read: no such file or folder")
     if p.is_dir():
-        if (p / "metrics.jsonl").is_file():  # our run folder
+        if metrics_path(p).is_file():  # our run folder
             return REGISTRY["jsonl"]
         found = _claimant(p, None)
         if found is not None:
             return found
         raise MetricsError(
-            f"{path}: folder has no metrics.jsonl, and no other run output this tool reads "
+            f"{path}: folder has no {METRICS}, and no other run output this tool reads "
             "(TensorBoard events, a W&B run, mlruns/, trainer_state.json, metrics.csv); "
             "give the file itself or --format"
         )
@@ -470,8 +471,8 @@ def _read(p: Path, fmt: str | None, options: ReadOptions) -> pd.DataFrame:
             chosen = detect(p)
         else:
             chosen = REGISTRY[fmt]
-            if p.is_dir() and fmt == "jsonl" and not (p / "metrics.jsonl").is_file():
-                raise MetricsError(f"{p}: folder has no metrics.jsonl")
+            if p.is_dir() and fmt == "jsonl" and not metrics_path(p).is_file():
+                raise MetricsError(f"{p}: folder has no {METRICS}")
         try:
             return chosen.read(p, options)
         except MetricsError as e:

@@ -42,6 +42,7 @@ from parity.readers.frame import (
     suspect,
 )
 from parity.readers.text import decode, read_bytes
+from parity.record.runfolder import METRICS, manifest_path, metrics_path
 
 
 class _DuplicateKey(Exception):
@@ -182,7 +183,7 @@ _NULL_NOTE = "null values read as NaN: verl's file logger (orjson) writes NaN an
 
 def _reader(fmt: str):
     def read(path: Path, options: ReadOptions):
-        file = path / "metrics.jsonl" if path.is_dir() else path
+        file = metrics_path(path) if path.is_dir() else path
         text = decode(read_bytes(file), file)
         log = ReadLog()
         cells, complete = _read_json_lines(text, file, fmt, log)
@@ -200,7 +201,7 @@ def _reader(fmt: str):
 def _recorded(file: Path, complete: bool | None) -> bool:
     """Whether the file is the recorder's (an end record, or manifest.json beside it): it
     writes every float as Python's repr, in full, so short values are what was logged."""
-    return complete is True or (file.parent / "manifest.json").is_file()
+    return complete is True or manifest_path(file.parent).is_file()
 
 
 def _first_record(head: bytes) -> Any:
@@ -213,7 +214,7 @@ def _first_record(head: bytes) -> Any:
 
 def _claims_ours(path: Path, head: bytes | None) -> bool:
     if head is None:
-        return (path / "metrics.jsonl").is_file()
+        return metrics_path(path).is_file()
     rec = _first_record(head)
     if isinstance(rec, dict):
         return not isinstance(rec.get("data"), dict)
@@ -237,7 +238,7 @@ FORMATS = [
         "jsonl",
         _reader("jsonl"),
         _claims_ours,
-        "a run folder with `metrics.jsonl`, or JSON lines with `step` and the metrics",
+        f"a run folder with `{METRICS}`, or JSON lines with `step` and the metrics",
         "float64 (decimals(N) when every value looks rounded, not in the recorder's)",
     ),
 ]

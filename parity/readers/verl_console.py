@@ -16,9 +16,9 @@ a last step line without its newline (cut off by a run still writing, or killed:
 mid-number still parses), even one cut before its values, down to the start of its `step:`
 (`ste` after a newline, a bar or a Ray prefix).
 
-Two readers with one meaning: a vectorised one (numpy finds the lines, pandas' C parser reads
-`key:float` tokens) for the usual log, and the line-by-line reference, which decides everything
-the fast one cannot prove.
+Two readers with one meaning: a vectorised one (numpy finds the lines and their ` - `
+separators, pandas' C parser reads `key:float` tokens) for the usual log, and the line-by-line
+reference, which decides everything the fast one cannot prove.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import pandas as pd
 from parity.readers.frame import (
     FLOAT32,
     FLOAT64,
+    MAX_ROUNDED_PLACES,
     UNFIT,
     Cells,
     Format,
@@ -48,6 +49,7 @@ from parity.readers.frame import (
     beyond_max_step,
     fail,
     finish,
+    infer_decimals,
     unfit,
 )
 from parity.readers.text import CUT_TAIL, cut_tail, read_bytes
@@ -80,7 +82,7 @@ _WS[list(b" \t\n\r\x0b\x0c")] = True  # what `\S` excludes in a bytes pattern
 _POW10 = 10 ** np.arange(1, 17, dtype=np.int64)  # digits of n < 2**53: 1 + #(powers <= n)
 
 
-def _step_text(raw: bytes) -> tuple[bytes, np.ndarray] | None:
+def _step_text(raw: bytes) -> tuple[bytearray, np.ndarray] | None:
     """The matched step lines joined by newlines, as `b"\n".join(_STEP_LINE_B.findall(raw))`
     gives them, found with numpy instead of the regex; None when that cannot be shown cheaply.
 
@@ -108,7 +110,7 @@ def _step_text(raw: bytes) -> tuple[bytes, np.ndarray] | None:
     lasts = np.append(joins, len(at) - 1)
     view = memoryview(raw)
     pieces = zip(at[firsts].tolist(), ends[lasts].tolist(), strict=True)
-    text = b"\n".join([view[a:b] for a, b in pieces])
+    text = bytearray(b"\n").join([view[a:b] for a, b in pieces])  # `_rows` works in it
     return text, at
 
 
@@ -163,6 +165,36 @@ def _maybe_bool(body: bytes, rows: np.ndarray) -> bool:
     return bool(((last == ord("e")) | (last == ord("E"))).any())
 
 
+def _rows(text: bytes | bytearray) -> bytearray | None:
+    """The rows of `text.replace(b" - ", b"\n")` for pandas' parser, found with numpy: the first
+    space of each ' - ' made a newline, so that each token after a line's first keeps '- ' in
+    front of its key (`_keys` takes it off). Unlike the replace, which holds the GIL, numpy lets
+    the other pieces' threads run meanwhile. None where the replace would leave a space inside a
+    token, or an empty token, or where the text holds whitespace the parser may skip. A
+    bytearray is changed in place."""
+    if any(c in text for c in (b"\t", b"\x0b", b"\x0c", b"\x00")):
+        return None
+    buf = np.frombuffer(text, dtype=np.uint8)
+    n = len(buf)
+    dash = np.flatnonzero(buf[1:-1] == ord("-")) + 1
+    seps = dash[(buf[dash - 1] == ord(" ")) & (buf[dash + 1] == ord(" "))] - 1  # each ' - '
+    if np.count_nonzero(buf == ord(" ")) != 2 * len(seps) or (np.diff(seps) < 4).any():
+        return None  # another space, or two ' - ' sharing one (' - - '), or an empty token
+    after = seps + 3
+    if len(after) and (after[-1] == n or (buf[np.minimum(after, n - 1)] == ord("\n")).any()):
+        return None  # an empty last token
+    body = text if isinstance(text, bytearray) else bytearray(text)
+    np.frombuffer(body, dtype=np.uint8)[seps] = ord("\n")
+    return body
+
+
+def _keys(cats: list[str]) -> list[str] | None:
+    """The keys of `_rows`' categories: 'step' (each line's first token), the others without
+    their '- '; None when one is neither, or two keys are one (a metric named 'step')."""
+    keys = [c if c == "step" else c[2:] if c.startswith("- ") else "" for c in cats]
+    return keys if all(keys) and len(set(keys)) == len(keys) else None
+
+
 _WINDOW = 40  # bytes of a row's end looked at by `_maybe_unfit`
 
 
@@ -202,14 +234,13 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
         lines = _STEP_LINE_B.findall(raw)
         if not lines:  # none in this half (maybe in the other)
             return _Tokens([], np.zeros(0, dtype=np.int8), np.zeros(0), 0)
-        text, at, n_lines = b"\n".join(lines), None, len(lines)
+        text, at, n_lines = bytearray(b"\n").join(lines), None, len(lines)
         del lines
     else:
         (text, at), n_lines = found, len(found[1])
-    body = text.replace(b" - ", b"\n")
+    body = _rows(text)
     del text
-    # a space left was inside a token; an empty last token
-    if any(c in body for c in (b" ", b"\t", b"\x0b", b"\x0c", b"\x00")) or body.endswith(b"\n"):
+    if body is None:
         return None
     try:
         df = pd.read_csv(
@@ -228,9 +259,9 @@ def _console_tokens(raw: bytes | memoryview) -> _Tokens | None:
         )
     except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
         return None
-    cats = [str(c) for c in df["k"].cat.categories]
+    cats = _keys([str(c) for c in df["k"].cat.categories])
     codes = df["k"].cat.codes.to_numpy()
-    if "step" not in cats or (codes < 0).any():
+    if cats is None or "step" not in cats or (codes < 0).any():
         return None
     step_code = cats.index("step")
     if any(bad_key(c) for i, c in enumerate(cats) if i != step_code):
@@ -270,10 +301,11 @@ def _pieces(raw: bytes) -> list[bytes | memoryview]:
     """`raw` cut after the first newline past every `_PIECE_BYTES` (lines are read one by one,
     so nothing spans a cut); whole when it is small.
 
-    Why pieces and not one per core: the join and `bytes.replace` of `_console_tokens` hold the
-    GIL while numpy and pandas' parser release it, so with several pieces per thread one
-    thread's GIL-bound part overlaps another's parsing (a 1M-line log, 88 MB, on 2 cores: about
-    0.8 s in 4 MB pieces, 1.0-1.1 s in two halves)."""
+    Why pieces and not one per core: the join of `_console_tokens` and pandas' parser hold the
+    GIL (pandas 3.1: two parses on two threads take as long as one after the other) while
+    numpy releases it, so with several pieces per thread one thread's numpy part (the lines,
+    the separators of `_rows`, the steps' digits) overlaps another's parsing (a 1M-line log,
+    88 MB, on 2 cores: about 0.8 s in 4 MB pieces, 1.0-1.1 s in two halves)."""
     if len(raw) < 2 * _PIECE_BYTES:
         return [raw]
     view, pieces, start = memoryview(raw), [], 0
@@ -488,6 +520,36 @@ def _cut_step_line(raw: bytes, start: int) -> bool:
     return bool(_STEP_LINE_B.search(raw, start) or _STEP_HEAD_B.search(raw, start))
 
 
+_HEAD = 64  # values of a column looked at by `_written_in_full`
+
+
+def _written_in_full(x: np.ndarray) -> bool:
+    """Whether a column's first finite values already show it holds its values in full: for
+    every N in 1..MAX_ROUNDED_PLACES one of them is not the float64 of a decimal with N places.
+    frame.rounded_places needs every value to be one for some N, so it would say None; this
+    spares it sorting a long column of full-precision values (a fifth of a read's time)."""
+    head = x[:_HEAD]
+    head = head[np.isfinite(head)]
+    with np.errstate(over="ignore", invalid="ignore"):  # a huge value: inf != itself, as wanted
+        for n in range(1, MAX_ROUNDED_PLACES + 1):
+            scale = 10.0**n
+            if (np.round(head * scale) / scale == head).all():
+                return False  # maybe rounded at n places: frame.rounded_places decides
+    return True
+
+
+def _written_precision(values: pd.DataFrame, precision: dict[str, str]) -> dict[str, str]:
+    """What finish(written=True) would make of `precision` (frame.infer_decimals), asking it
+    only about the float64 columns `_written_in_full` cannot rule out."""
+    unsure = [
+        c
+        for c in values.columns
+        if precision.get(str(c), FLOAT64) == FLOAT64
+        and not _written_in_full(values[c].to_numpy(dtype=np.float64))
+    ]
+    return infer_decimals(values[unsure], precision) if unsure else dict(precision)
+
+
 def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
     raw = read_bytes(path)
     if b"\r" in raw:
@@ -506,8 +568,8 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
         precision = out[0].attrs.pop("precision", {})
     values, present = out
     return finish(
-        values, present, source=path, fmt="verl-console", precision=precision, log=log,
-        written=True,
+        values, present, source=path, fmt="verl-console",
+        precision=_written_precision(values, precision), log=log,
     )  # fmt: skip
 
 

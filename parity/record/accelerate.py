@@ -23,60 +23,39 @@ Imports accelerate when this module is imported; `parity.record` itself needs on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
 from parity.record.recorder import Recorder
-from parity.record.tracking import StepMerger, numbers
+from parity.record.tracking import RecordingLogger
 
 
-class ParityTracker(GeneralTracker):
-    """Writes the run folder of an accelerate run (module doc). out: the run folder; manifest:
-    extra fields for manifest.json."""
+class ParityTracker(RecordingLogger, GeneralTracker):
+    """Writes the run folder of an accelerate run (module doc). ParityTracker(out, manifest=...):
+    out the run folder, manifest extra fields for manifest.json."""
 
     name = "parity"
     requires_logging_directory = False
     main_process_only = True
 
-    def __init__(self, out: str | Path, *, manifest: Mapping[str, Any] | None = None):
-        super().__init__()
-        self.out = Path(out)
-        self.manifest_extra = dict(manifest or {})
-        self._config: dict[str, Any] = {}
-        self._recorder: Recorder | None = None
-        self._merger = StepMerger()
-
     @property
     def tracker(self) -> Recorder:
         """The Recorder (`get_tracker("parity", unwrap=True)`), made at first use, once the
         process group whose rank and world size it records is formed."""
-        if self._recorder is None:
-            self._recorder = Recorder(self.out)
-            self._recorder.manifest(self._config, **self.manifest_extra)
-        return self._recorder
+        return self.recorder
 
     def start(self) -> None:
         """The files and the manifest, when init_trackers runs."""
-        _ = self.tracker
+        _ = self.recorder
 
     def store_init_configuration(self, values: dict) -> None:
         """The run's config in manifest.json."""
-        self._config.update(values)
-        self.tracker.manifest(self._config, **self.manifest_extra)
+        self._add_config(values)
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
-        if step is None:
-            raise ValueError(
-                "ParityTracker: accelerator.log(values, step=N): runs are compared by step"
-            )
-        new = self._merger.new(step, numbers(values))
-        if new:
-            self.tracker.log(step, new)
+        self._log_step(step, values, "accelerator.log(values, step=N)")
 
     def finish(self) -> None:
         """The end records (accelerator.end_training): the run is complete."""
-        if self._recorder is not None:
-            self._recorder.finish()
+        self._end(True)

@@ -24,7 +24,6 @@ Imports Lightning (`lightning.pytorch`, else `pytorch_lightning`) when this modu
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 try:
@@ -33,21 +32,14 @@ except ImportError:
     from pytorch_lightning.loggers import Logger
 
 from parity.record.recorder import Recorder
-from parity.record.tracking import StepMerger, numbers
+from parity.record.tracking import RecordingLogger
 
 
-class ParityLogger(Logger):
-    """Writes the run folder of a Lightning run (module doc). out: the run folder; manifest:
-    extra fields for manifest.json. `recorder` (every rank, made when first used) takes
-    `batch(...)` calls for the batch digests."""
-
-    def __init__(self, out: str | Path, *, manifest: Mapping[str, Any] | None = None):
-        super().__init__()
-        self.out = Path(out)
-        self.manifest_extra = dict(manifest or {})
-        self._config: dict[str, Any] = {}
-        self._recorder: Recorder | None = None
-        self._merger = StepMerger()
+class ParityLogger(RecordingLogger, Logger):
+    """Writes the run folder of a Lightning run (module doc). ParityLogger(out, manifest=...):
+    out the run folder, manifest extra fields for manifest.json. `recorder` (every rank, made
+    when first used, once Lightning has formed the process group) takes `batch(...)` calls for
+    the batch digests."""
 
     @property
     def name(self) -> str:
@@ -66,43 +58,17 @@ class ParityLogger(Logger):
         return str(self.out)
 
     @property
-    def recorder(self) -> Recorder:
-        """This rank's Recorder, made (and the manifest written) at first use: by then Lightning
-        has formed the process group, whose rank and world size it records."""
-        if self._recorder is None:
-            self._recorder = Recorder(self.out)
-            self._write_manifest()
-        return self._recorder
-
-    @property
     def experiment(self) -> Recorder:
         return self.recorder
 
-    def _write_manifest(self) -> None:
-        assert self._recorder is not None
-        self._recorder.manifest(self._config, **self.manifest_extra)
-
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """The run's config in manifest.json (rewritten with what is logged later)."""
-        self._config.update(params if isinstance(params, Mapping) else vars(params))
-        if self._recorder is None:
-            _ = self.recorder  # made, with the manifest
-        else:
-            self._write_manifest()
+        self._add_config(params if isinstance(params, Mapping) else vars(params))
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        if step is None:
-            raise ValueError("ParityLogger: log_metrics needs a step: runs are compared by step")
-        new = self._merger.new(step, numbers(metrics))
-        if new:
-            self.recorder.log(step, new)
+        self._log_step(step, metrics, "log_metrics needs a step")
 
     def finalize(self, status: str) -> None:
         """The end records when training succeeded; otherwise the files closed without them
         (the run reads as incomplete)."""
-        if self._recorder is None or self._recorder.finished:
-            return
-        if status == "success":
-            self._recorder.finish()
-        else:
-            self._recorder.close()
+        self._end(status == "success")

@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.record.digest import DIGEST_SIZE
+from parity.record.runfolder import op_trace_paths
 
-OPS_DIR = "ops"
 # outputs kept for the ULP distance of the op that differs: each up to MAX_TENSOR_BYTES, in all
 # up to MAX_VALUE_BYTES per rank (a 2-layer, 128-wide model: ~10 MB); hashes of every output
 MAX_TENSOR_BYTES = 64 * 2**10
@@ -255,11 +255,6 @@ class OpTracer(TorchDispatchMode):
         return out
 
 
-def ops_files(out: str | Path, rank: int) -> tuple[Path, Path]:
-    folder = Path(out) / OPS_DIR
-    return folder / f"rank{rank}.jsonl", folder / f"rank{rank}.pt"
-
-
 @contextlib.contextmanager
 def trace_ops(
     out: str | Path,
@@ -283,7 +278,7 @@ def trace_ops(
     seconds = time.perf_counter() - start
     from parity.record.files import write_text_atomic
 
-    jsonl, values = ops_files(out, rank)
+    jsonl, values = op_trace_paths(out, rank)
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     tmp = values.with_name(f".{values.name}.tmp")
     torch.save(tracer.values, tmp)

@@ -43,6 +43,14 @@ from parity.record.files import (
     jsonl_step,
     write_json_atomic,
 )
+from parity.record.runfolder import (
+    CONSOLE,
+    FINGERPRINTS,
+    METRICS,
+    RANKS_DIR,
+    manifest_path,
+    rank_file_name,
+)
 
 END = "end"
 
@@ -133,10 +141,10 @@ class Recorder:
         def opened(name: str, wanted: bool) -> LineLog | None:
             return LineLog(self.out / name, append) if wanted else None
 
-        self._metrics = opened("metrics.jsonl", metrics and lead)
-        self._console = opened("console.log", console and lead)
-        self._ranks = opened(f"ranks/rank{self.rank}.jsonl", ranks)
-        self._fingerprints = opened("fingerprints.jsonl", lead and bool(self.fingerprint_steps))
+        self._metrics = opened(METRICS, metrics and lead)
+        self._console = opened(CONSOLE, console and lead)
+        self._ranks = opened(f"{RANKS_DIR}/{rank_file_name(self.rank)}", ranks)
+        self._fingerprints = opened(FINGERPRINTS, lead and bool(self.fingerprint_steps))
 
     # --- the manifest ---------------------------------------------------------------------------
 
@@ -168,7 +176,7 @@ class Recorder:
             code_dir=Path(code_dir) if code_dir is not None else _code_dir(),
             **extra,
         )
-        write_json_atomic(self.out / "manifest.json", data)
+        write_json_atomic(manifest_path(self.out), data)
         return data
 
     # --- what a step ran ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from parity.record.runfolder import metrics_path
 from parity.run.signals import parent_death_signal
 from parity.run.world import WORLD_DIR_ENV
 
@@ -105,7 +106,7 @@ def run_pair_in_process(
     from parity.files import launch_dir
     from parity.outdir import OutDir
     from parity.run.job import Progress, Run, mark_teardown, read_output
-    from parity.run.launch import LaunchError, launch
+    from parity.run.launch import LaunchError, LaunchRequest, launch
     from parity.spec import SpecError
 
     spec_a, spec_b = pair.sides()
@@ -120,10 +121,10 @@ def run_pair_in_process(
             held.make_dir(launch_dir(d).name)
         here = held.make_dir(FOLDER)
         timing = here / "timing.json"
-        progress = Progress("B (after A, in-process)", spec_b.steps, dirs[1] / "metrics.jsonl")
+        progress = Progress("B (after A, in-process)", spec_b.steps, metrics_path(dirs[1]))
         since = time.time()
         try:
-            result = launch(
+            request = LaunchRequest(
                 command([spec_a, spec_b], dirs, timing),
                 nproc=spec_a.nproc_per_node,
                 run_dir=here,
@@ -131,6 +132,7 @@ def run_pair_in_process(
                 torchrun_args=spec_a.torchrun_args,
                 on_tick=progress.tick,
             )
+            result = launch(request)
         except BaseException:
             progress.close(interrupted=True)
             raise
@@ -139,7 +141,7 @@ def run_pair_in_process(
     _judge_sides(result, spec_a.world_size)
     frames = [None, None]
     if not result.ok:
-        frames = [mark_teardown(result, d / "metrics.jsonl", since) for d in dirs]
+        frames = [mark_teardown(result, metrics_path(d), since) for d in dirs]
         if not allow_teardown_failure or any(f is None for f in frames):
             raise LaunchError(result, f"in-process pair, {_failed_side(timing)}")
     split = _split_seconds(timing, result.duration_s)

@@ -27,13 +27,19 @@ import pandas as pd
 from parity.files import REPRODUCE_FILE, launch_dir, write_json_atomic
 from parity.outdir import OutDir
 from parity.readers import FORMATS, MetricsError, detect, read_metrics
+from parity.record.runfolder import METRICS, manifest_path, metrics_path
 from parity.run.launch import (
     Launcher,
     LaunchError,
+    LaunchRequest,
     LaunchResult,
     launch,
     launch_nodes,
     launch_plain,
+    node_rdzv_args,
+    plain_command,
+    reproduce_line,
+    torchrun_command,
 )
 from parity.run.stall import StallWatch
 from parity.spec import JobSpec
@@ -49,7 +55,7 @@ class Run:
 
     @property
     def manifest(self) -> dict:
-        path = self.dir / "manifest.json"
+        path = manifest_path(self.dir)
         return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -160,22 +166,25 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
     return last.startswith(b'{"event": "end"')
 
 
-def launcher_for(spec: JobSpec, label: str = "") -> Launcher:
+def launcher_for(spec: JobSpec) -> Launcher:
     """The launcher of ``spec`` (parity.run.launch.Launcher): one torchrun here, one per node here
     (a c10d rendezvous on 127.0.0.1), or Slurm steps (parity.run.slurm, ``spec.launcher``); a job
     that is not distributed runs here as one plain process (``launch_plain``: no torch needed)."""
     if spec.launcher.kind == "slurm":
         from parity.run import slurm
 
-        return functools.partial(
-            slurm.launch, launcher=spec.launcher, nnodes=spec.nnodes, label=label
-        )
+        return functools.partial(slurm.launch, launcher=spec.launcher, nnodes=spec.nnodes)
     if not spec.distributed:
         return launch_plain
     if spec.nnodes > 1:
-        join_s = min(60.0, spec.timeout_s)
+        join_s = _join_timeout(spec)
         return functools.partial(launch_nodes, nnodes=spec.nnodes, join_timeout_s=join_s)
     return launch
+
+
+def _join_timeout(spec: JobSpec) -> float:
+    """How long the nodes of a several-node job here wait for each other to join."""
+    return min(60.0, spec.timeout_s)
 
 
 def launch_spec(
@@ -204,12 +213,13 @@ def launch_spec(
     with OutDir.open(out.parent) as held:
         held.make_dir(out.name)
         logs = held.make_dir(launch_dir(out).name)
-        progress = Progress(label, spec.steps, out / "metrics.jsonl")
+        progress = Progress(label, spec.steps, metrics_path(out))
         since = time.time()
         on_tick = progress.tick
         if spec.launcher.kind != "slurm":  # Slurm: the timeout alone (docs/clusters.md)
-            on_tick = _watching(progress, StallWatch(out / "metrics.jsonl", spec.stall))
-        common = dict(
+            on_tick = _watching(progress, StallWatch(metrics_path(out), spec.stall))
+        request = LaunchRequest(
+            spec.to_args(out),
             nproc=spec.nproc_per_node,
             run_dir=logs,
             timeout_s=spec.timeout_s,
@@ -217,12 +227,13 @@ def launch_spec(
             torchrun_args=spec.torchrun_args,
             cwd=cwd,
             on_tick=on_tick,
-            finished=lambda: end_record_written(out / "metrics.jsonl", since),
+            finished=lambda: end_record_written(metrics_path(out), since),
             exit_grace_s=exit_grace_s,
             expect_world=spec.world_size if spec.distributed else None,
+            label=label,
         )
         try:
-            result = launcher_for(spec, label)(spec.to_args(out), **common)
+            result = launcher_for(spec)(request)
         except BaseException:
             progress.close(interrupted=True)
             raise
@@ -295,7 +306,7 @@ def run_job(
     out = Path(out).resolve()
     result = launch_spec(spec, out, label or out.name, exit_grace_s=exit_grace_s)
     if not result.ok:
-        metrics = mark_teardown(result, out / "metrics.jsonl", result.started_at)
+        metrics = mark_teardown(result, metrics_path(out), result.started_at)
         if metrics is None or not allow_teardown_failure:
             raise LaunchError(result, label or "")
         return Run(spec, out, result, metrics)
@@ -316,24 +327,20 @@ def read_output(result: LaunchResult, out: Path, label: str, **read: Any) -> pd.
 
 def launch_line(spec: JobSpec, out: Path) -> str:
     """The shell line ``spec`` is launched with into ``out``, as launcher.log's first line will
-    say it (parity.run.launch.launch / launch_plain; env overrides first, secrets masked),
-    without running anything: for `parity spec --command`. Several nodes: node 0's torchrun;
-    Slurm runs the same line in its steps."""
-    import sys
-
-    from parity.run.launch import reproduce_line
-
+    say it (env overrides first, secrets masked), without running anything: for `parity spec
+    --command`. Its argv comes from the builders ``launch``, ``launch_plain`` and
+    ``launch_nodes`` run (parity.run.launch), so it cannot drift from them. Several nodes: node
+    0's torchrun, PORT and RDZV_ID for the rendezvous made at launch; Slurm runs the same job
+    in its steps."""
     args = spec.to_args(out)
     if not spec.distributed:
-        return reproduce_line([sys.executable, *args], spec.env)
-    logs = launch_dir(out) / "logs"
-    rdzv = ["--nnodes", str(spec.nnodes), "--node-rank", "0", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint=127.0.0.1:PORT"] if spec.nnodes > 1 else []  # fmt: skip
-    if not rdzv and not any(a.startswith("--rdzv") for a in spec.torchrun_args):
-        rdzv = ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv,
-           "--nproc-per-node", str(spec.nproc_per_node), "--log-dir", str(logs),
-           "--redirects", "3", *spec.torchrun_args, *args]  # fmt: skip
+        return reproduce_line(plain_command(args), spec.env)
+    run_dir, rdzv = launch_dir(out), []
+    if spec.nnodes > 1:
+        run_dir = run_dir / "node0"
+        rdzv = node_rdzv_args(spec.nnodes, 0, "127.0.0.1:PORT", "RDZV_ID", _join_timeout(spec))
+    torchrun_args = [*rdzv, *spec.torchrun_args]
+    cmd = torchrun_command(args, spec.nproc_per_node, run_dir / "logs", torchrun_args)
     return reproduce_line(cmd, spec.env)
 
 
@@ -341,7 +348,7 @@ def no_run_line(out: Path, what: str = "no run this tool reads") -> str:
     """The one line of a job that exited 0 without the run it was launched for: where the
     harness looked and what it would have read there."""
     return (
-        f"the job exited 0 but wrote {what} in {out}: the harness reads metrics.jsonl there "
+        f"the job exited 0 but wrote {what} in {out}: the harness reads {METRICS} there "
         "(parity.record's record_run(out) writes it) or a log in a format docs/logs.md lists "
         f"({', '.join(FORMATS)}; the spec's [read] format); the job must write into the folder "
         "its command's {out} names"

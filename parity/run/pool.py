@@ -88,12 +88,12 @@ class Pool:
 
     def _launch(self) -> None:
         from parity.run.inprocess import preload_args
-        from parity.run.launch import launch
+        from parity.run.launch import LaunchRequest, launch
 
         args = ["-m", "parity.run.pool", "--queue", str(self.queue), "--parent", str(os.getpid())]
         args += preload_args(self.preload)
         try:
-            self.result = launch(
+            request = LaunchRequest(
                 args,
                 nproc=self.nproc,
                 run_dir=self.folder,
@@ -101,6 +101,7 @@ class Pool:
                 torchrun_args=self.torchrun_args,
                 on_tick=self._tick,
             )  # each job's world is judged on its own (_read_back)
+            self.result = launch(request)
         except _Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - reported by `run` as a dead pool

@@ -43,21 +43,20 @@ from pathlib import Path
 from parity.errors import InputError
 from parity.files import write_text_atomic
 from parity.run import world
-from parity.run.launch import (
-    LAUNCH_ID_ENV,
-    LaunchResult,
+from parity.run.launch import LAUNCH_ID_ENV, LaunchRequest, job_env, reproduce_line
+from parity.run.proc_scan import kill_carrying
+from parity.run.results import LaunchResult
+from parity.run.signals import deferred
+from parity.run.torchrun_logs import (
     RankFailure,
     find_rank_logs,
-    job_env,
-    kill_carrying,
     parse_failures,
-    reproduce_line,
     secondary,
     signal_name,
     tail_file,
 )
-from parity.run.signals import deferred
-from parity.spec import LauncherSpec, masked_env
+from parity.secrets import secret_vars
+from parity.spec import LauncherSpec
 
 __all__ = ["Allocation", "SlurmRefused", "cancel_all", "hold", "launch", "run_parallel"]
 
@@ -333,7 +332,7 @@ class Allocation:
         start = time.monotonic()
         if self.failure:
             return side.failed(self.failure, start)
-        if not self.node_names and not self.wait_started(side.on_tick):
+        if not self.node_names and not self.wait_started(side.request.on_tick):
             return side.failed(self.failure, start, self.ended_state)
         seq = self.queue(side)
         try:
@@ -351,7 +350,7 @@ class Allocation:
         self.launch_ids.append(side.launch_id)
         secrets_file = self.folder / "steps" / f"{seq}.env"
         env = side.environment()
-        secrets = _secrets(env)
+        secrets = secret_vars(env)
         if secrets:
             _write_private(secrets_file, "".join(f"export {k}={shlex.quote(v)}\n"
                                                  for k, v in secrets.items()))  # fmt: skip
@@ -363,8 +362,9 @@ class Allocation:
     def _wait(self, side: Side, seq: int, start: float) -> LaunchResult:
         """Wait for step ``seq`` (progress, timeout, hung at exit) and read its result."""
         exit_file = self.folder / "steps" / f"{seq}.exit"
+        request = side.request
         queued = time.monotonic()  # the side's timeout counts from here, not from the queue's
-        deadline, exit_by, timed_out, note = queued + side.timeout_s, None, False, ""
+        deadline, exit_by, timed_out, note = queued + request.timeout_s, None, False, ""
         asked = time.monotonic()
         while not exit_file.exists():
             now = time.monotonic()
@@ -377,17 +377,17 @@ class Allocation:
                 step = f"{self.job_id}.{side.step_id() or '?'}"
                 if exit_by is not None and deadline == exit_by:
                     note = (f"the job's output was complete, but it had not exited "
-                            f"{side.exit_grace_s:g} s later: killed as hung at exit "
+                            f"{request.exit_grace_s:g} s later: killed as hung at exit "
                             f"(scancel {step})")  # fmt: skip
                 else:
-                    note = (f"timed out after {side.timeout_s:g} s (the job's timeout_s): its "
+                    note = (f"timed out after {request.timeout_s:g} s (the job's timeout_s): its "
                             f"step was cancelled (scancel {step})")  # fmt: skip
                 self._cancel_step(side, exit_file)
                 break
-            if side.on_tick is not None:
-                side.on_tick()
-            if side.finished is not None and exit_by is None and side.finished():
-                exit_by = now + side.exit_grace_s
+            if request.on_tick is not None:
+                request.on_tick()
+            if request.finished is not None and exit_by is None and request.finished():
+                exit_by = now + request.exit_grace_s
                 deadline = min(deadline, exit_by)
             self.beat()
             time.sleep(self.launcher.poll_s)
@@ -430,12 +430,6 @@ class Allocation:
             self.cancel()
 
 
-def _secrets(env: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``env`` that logs and reports mask (parity.spec.masked_env)."""
-    masked = masked_env(env)
-    return {k: v for k, v in env.items() if masked[k] != v}
-
-
 def _write_private(path: Path, text: str) -> None:
     """``text`` into ``path`` atomically, readable and writable by this user only from the
     moment the file exists."""
@@ -462,35 +456,26 @@ def _read_int(path: Path) -> int | None:
 
 @dataclass
 class Side:
-    """One torchrun job to run on the allocation's nodes (what run.launch.launch is given)."""
+    """One torchrun job to run on the allocation's nodes: the request every launcher is given
+    (parity.run.launch.LaunchRequest) plus what only Slurm needs, its nodes and its launcher."""
 
-    args: list[str]
+    request: LaunchRequest
     nnodes: int
-    nproc: int
-    run_dir: Path
-    timeout_s: float
-    env: Mapping[str, str]
-    cwd: Path | None
-    on_tick: Callable[[], None] | None
-    finished: Callable[[], bool] | None
-    exit_grace_s: float
-    expect_world: int | None
     launcher: LauncherSpec
-    label: str = ""
-    torchrun_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
-        self.run_dir = Path(self.run_dir).absolute()
+        self.run_dir = Path(self.request.run_dir).absolute()
+        self.cwd = Path(self.request.cwd).absolute() if self.request.cwd is not None else None
         self.launch_id = uuid.uuid4().hex
         self.world_dir = self.run_dir / "world"
-        self.label = self.label or self.run_dir.name
+        self.label = self.request.label or self.run_dir.name
 
     def node_dir(self, node: int) -> Path:
         return self.run_dir / f"node{node}"
 
     def environment(self) -> dict[str, str]:
         """The job's variables, as every launch gives them (parity.run.launch.job_env)."""
-        return job_env(self.world_dir, self.env, self.launch_id)
+        return job_env(self.world_dir, self.request.env, self.launch_id)
 
     def script(
         self, allocation: Allocation, env: Mapping[str, str], secrets_file: Path | None = None
@@ -506,9 +491,9 @@ class Side:
         torchrun = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nnodes),
             "--node-rank", "$SLURM_NODEID", "--master-addr", "$PARITY_MASTER_ADDR",
-            "--master-port", "$PARITY_MASTER_PORT", "--nproc-per-node", str(self.nproc),
+            "--master-port", "$PARITY_MASTER_PORT", "--nproc-per-node", str(self.request.nproc),
             "--log-dir", f"{self.run_dir}/node$SLURM_NODEID/logs", "--redirects", "3",
-            *self.torchrun_args, *self.args,
+            *self.request.torchrun_args, *self.request.module_or_script_args,
         ]  # fmt: skip
         node_script = self.run_dir / "node.sh"
         write_text_atomic(node_script, "\n".join([
@@ -525,7 +510,7 @@ class Side:
         python = shlex.quote(sys.executable)
         lines = [
             "#!/bin/bash",
-            f"# {self.label}: rerun with {reproduce_line(torchrun, self.env)}",
+            f"# {self.label}: rerun with {reproduce_line(torchrun, self.request.env)}",
             f"exec > {shlex.quote(str(self.run_dir / 'srun.log'))} 2>&1",
             *([f". {secrets} || exit 97", f"rm -f {secrets}"] if secrets else []),
             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
@@ -564,7 +549,7 @@ class Side:
     def failed(self, why: str, start: float, state: JobState | None = None) -> LaunchResult:
         """A result for a side that never ran (the allocation could not be had)."""
         result = LaunchResult(None, state is not None and state.state == "TIMEOUT",
-                              time.monotonic() - start, self.run_dir, self.timeout_s,
+                              time.monotonic() - start, self.run_dir, self.request.timeout_s,
                               launch_id=self.launch_id, note=why)  # fmt: skip
         result.topology = {"launcher": "slurm"}
         return result
@@ -617,7 +602,7 @@ class Side:
             timed_out=timed_out or (state is not None and state.state == "TIMEOUT"),
             duration_s=time.monotonic() - start,
             run_dir=self.run_dir,
-            timeout_s=self.timeout_s,
+            timeout_s=self.request.timeout_s,
             launcher_log=self.run_dir / "srun.log",
             launch_id=self.launch_id,
             failures=sorted(failures, key=secondary),
@@ -627,17 +612,18 @@ class Side:
         )
         if code not in (0, None) and not failures and srun_text:
             merged.note = merged.note or f"srun failed (exit code {code}): {_last(srun_text)}"
+        nproc = self.request.nproc
         merged.topology = {
             "launcher": "slurm",
             "job_id": allocation.job_id,
             "nodes": [hosts.get(n, "?") for n in range(self.nnodes)],
-            "nproc_per_node": self.nproc,
-            "ranks": [hosts.get(r // self.nproc, "?") for r in range(self.nnodes * self.nproc)],
+            "nproc_per_node": nproc,
+            "ranks": [hosts.get(r // nproc, "?") for r in range(self.nnodes * nproc)],
             "allocation_nodes": allocation.node_names,
             "slurm": _slurm_env(allocation.folder / "slurm.env"),
         }
-        if self.expect_world is not None and merged.ok:
-            merged.set_fault("world", world.judge(self.world_dir, self.expect_world))
+        if self.request.expect_world is not None and merged.ok:
+            merged.set_fault("world", world.judge(self.world_dir, self.request.expect_world))
         return merged
 
 
@@ -723,28 +709,10 @@ def _allocated(
         allocation.release()
 
 
-def launch(
-    module_or_script_args: list[str],
-    *,
-    launcher: LauncherSpec,
-    nnodes: int,
-    nproc: int,
-    run_dir: Path,
-    timeout_s: float = 600,
-    env: Mapping[str, str] | None = None,
-    torchrun_args: Sequence[str] = (),
-    cwd: Path | str | None = None,
-    on_tick: Callable[[], None] | None = None,
-    finished: Callable[[], bool] | None = None,
-    exit_grace_s: float = 60.0,
-    expect_world: int | None = None,
-    label: str = "",
-) -> LaunchResult:
+def launch(request: LaunchRequest, *, launcher: LauncherSpec, nnodes: int) -> LaunchResult:
     """``parity.run.launch.launch`` on Slurm: the job's torchruns as a step of the held allocation
     (``hold``), or of one made for this launch alone (in run_dir/allocation)."""
-    side = Side(list(module_or_script_args), nnodes, nproc, Path(run_dir), timeout_s, env or {},
-                Path(cwd).absolute() if cwd is not None else None, on_tick, finished,
-                exit_grace_s, expect_world, launcher, label, tuple(torchrun_args))  # fmt: skip
+    side = Side(request, nnodes, launcher)
     nodes = launcher.nodes or nnodes
     held = _held.get((launcher, nodes)) if not launcher.parallel else None
     if held is not None:

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parity.judge.opdiff import OPS_DIR, OpDiff, compare_ops
+from parity.judge.opdiff import OpDiff, compare_ops
+from parity.record.runfolder import OPS_DIR
 from parity.spec import JobSpec, SpecError
 
 _STATE = re.compile(r"state_step(\d+)$")

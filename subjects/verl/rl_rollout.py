@@ -17,6 +17,15 @@ reproducible run to run (uuid4 request ids, least-loaded server routing). Two st
   implementation. The reward comes from verl's own reward loop workers (the
   ``custom_reward_function``), placed on the last response token as verl's agent loop places it.
 
+With ``PARITY_VERL_RECORD=OUT`` (``run_ppo --record``) the manager writes the harness's data
+digests of each training step into ``OUT/ranks/rank0.jsonl`` through ``parity.record``: the
+prompts (token ids, in batch order: ``prompts``) and the rollout (``input_ids``,
+``attention_mask``, ``response_mask``: ``rollout``), the data both worker implementations are
+fed, taken where it is made (the trainer's process), so ``parity pair`` can say "prompts differ"
+(data) apart from numbers. ``PARITY_VERL_PLANT=repeat-batch@K`` plants a data bug for tests: at
+step K the manager takes step K-1's prompts again (the dataloader handing one side the same batch
+twice); the responses stay seeded by step and position.
+
 Responses never hold an EOS token and are all full length: every sample has the same number of
 response tokens, so token-mean and sequence-mean aggregations see equal weights.
 """
@@ -35,8 +44,11 @@ from verl.utils.fs import copy_to_local
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.rollout.base import BaseRollout
 
+from subjects.verl.recorder import plant as planted_step  # the SFT subject's plant, parsed once
+
 NAME = "parity_seeded"
 SEED = 20260
+RECORD = "PARITY_VERL_RECORD"
 
 
 class SeededRollout(BaseRollout):
@@ -77,6 +89,13 @@ class SeededAgentLoopManager:
         self.rollout_replicas = []  # no servers: the checkpoint manager sleeps and wakes none
         self.vocab = len(self.tokenizer)
         self.specials = set(self.tokenizer.all_special_ids)
+        self.plant = planted_step()
+        self.previous = None  # the last training step's prompts (for the plant)
+        self.recorder = None
+        if os.environ.get(RECORD):
+            from parity.record import Recorder
+
+            self.recorder = Recorder(os.environ[RECORD], rank=0, metrics=False)
 
     @classmethod
     def create(
@@ -100,16 +119,38 @@ class SeededAgentLoopManager:
             rows.append(allowed[pick])
         return torch.stack(rows)
 
+    def _planted(self, prompts: DataProto, step: int) -> DataProto:
+        """The prompts this step trains on: the previous step's again at the planted step."""
+        previous, self.previous = self.previous, prompts
+        if step != self.plant or previous is None:
+            return prompts
+        print(f"[subjects.verl.rl_rollout] plant: step {step} takes step {step - 1}'s prompts")
+        return previous
+
+    def _record(self, step: int, prompt_ids: list[list[int]], out: DataProto) -> None:
+        """The step's data digests (module doc)."""
+        rec = self.recorder
+        rec.digest.add_prompts(prompt_ids)
+        batch = out.batch
+        rec.batch(
+            batch["input_ids"], batch["attention_mask"], batch["response_mask"], kind="rollout"
+        )
+        rec.log(step, {})
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        n = len(prompts)
         step = int(prompts.meta_info.get("global_steps", -1))
         validate = bool(prompts.meta_info.get("validate", False))
+        if not validate:
+            prompts = self._planted(prompts, step)
+        n = len(prompts)
         plen, rlen = self.rollout.prompt_length, self.rollout.response_length
         pad = self.tokenizer.pad_token_id
         prompt_ids = torch.full((n, plen), pad, dtype=torch.long)
         prompt_mask = torch.zeros((n, plen), dtype=torch.long)
+        kept = []
         for i, messages in enumerate(prompts.non_tensor_batch["raw_prompt"]):
             ids = self._prompt_ids(messages)[-plen:]
+            kept.append(ids)
             prompt_ids[i, plen - len(ids) :] = torch.tensor(ids)
             prompt_mask[i, plen - len(ids) :] = 1
         responses = self._responses(n, step, validate)
@@ -138,6 +179,8 @@ class SeededAgentLoopManager:
         for key, values in extra.items():
             out.non_tensor_batch[key] = np.array(values)
         out.meta_info = {"timing": {}, "reward_extra_keys": list(extra)}
+        if self.recorder is not None and not validate:
+            self._record(step, kept, out)
         return out
 
     def _scores(self, out: DataProto, prompts: DataProto) -> tuple[list[float], dict]:

@@ -39,7 +39,9 @@ the trainer saves, at every step, the batch tensors it computed the old log-prob
 (``DIR/step{N}.pt``: input ids, masks, ``old_log_probs``, ``entropys``, ``values``); on the engine
 side rank 0 also saves the actor's parameters at each log-prob pass (``engine_actor{K}.pt``) and
 the model inputs of its first two forwards (``engine_actor_inputs{K}.pt``); the rollout stand-in
-saves the weights each sync sends it (``rollout_weights{K}.pt``). Numbers are unchanged.
+saves the weights each sync sends it (``rollout_weights{K}.pt``); on both sides rank 0 saves the
+gradients at each grad-norm clip, gathered, with each rank's shard and the norm
+(``grads{K}.pt``: the critic's, then the actor's, at each step). Numbers are unchanged.
 
 ``applied()`` (from ``subjects.verl.cpu_shim``) lists every patch in force.
 """
@@ -229,6 +231,45 @@ def _dump_engine_inputs(transformer_impl) -> None:
     engine.prepare_model_inputs = prepare_model_inputs
 
 
+def _dump_grads(module) -> None:
+    """With PARITY_VERL_DUMP: every gradient as the grad-norm clip sees it (before clipping),
+    gathered to full tensors, with the shard each rank holds and the norm it returns
+    (``grads{K}.pt`` on rank 0, K counting the clip calls of the worker process: critic, then
+    actor, at each step). Patched where each worker module imported the function by name."""
+    import os
+
+    where = os.environ.get("PARITY_VERL_DUMP")
+    original = getattr(module, "fsdp2_clip_grad_norm_", None)
+    if not where or original is None or getattr(original, "_parity_shim", False):
+        return
+
+    def fsdp2_clip_grad_norm_(parameters, *args, **kwargs):
+        parameters = list(parameters)
+        full, shards = [], []
+        for p in parameters:
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            shards.append((tuple(local.shape), str(getattr(grad, "placements", ""))))
+            gathered = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            full.append(gathered.detach().to("cpu", copy=True))
+        norm = original(parameters, *args, **kwargs)
+        # the full norm: every rank takes part in the gather
+        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        _dump_grads.calls += 1
+        if torch.distributed.get_rank() == 0:
+            saved = {"grads": full, "shards": shards, "norm": whole.detach().to("cpu", copy=True)}
+            torch.save(saved, os.path.join(where, f"grads{_dump_grads.calls}.pt"))
+        return norm
+
+    fsdp2_clip_grad_norm_._parity_shim = True
+    module.fsdp2_clip_grad_norm_ = fsdp2_clip_grad_norm_
+
+
+_dump_grads.calls = 0
+
+
 def install() -> None:
     assert cpu_shim.applied() is not None  # its patches are in force once it is imported
     _patch_process_group()
@@ -238,6 +279,8 @@ def install() -> None:
     after_import("verl.trainer.ppo.ray_trainer", _dump_tensors)
     after_import("verl.workers.engine_workers", _dump_engine_actor)
     after_import("verl.workers.engine.fsdp.transformer_impl", _dump_engine_inputs)
+    for name in ("actor.dp_actor", "critic.dp_critic", "engine.fsdp.transformer_impl"):
+        after_import(f"verl.workers.{name}", _dump_grads)
 
 
 install()

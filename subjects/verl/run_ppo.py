@@ -21,7 +21,9 @@ output) and ``DIR/verl_file_logger.jsonl``, both read by the harness at full pre
 folder is read through its ``metrics.jsonl`` (``parity pair`` reads ``{out}``), so a run that
 finished copies verl's file logger there, record for record: ``{"step": N, **data}`` with the
 numbers as verl's ``json.dumps`` wrote them (a float64 round-trips exactly), strings left out as
-the harness's verl readers leave them out, then the end record. The run
+the harness's verl readers leave them out, then the end record. ``--record`` adds the rollout's
+data digests (``DIR/ranks/rank0.jsonl``, what the harness's diagnosis reads), ``--plant
+repeat-batch@K`` a data bug for tests (both in ``subjects.verl.rl_rollout``). The run
 is a session of its own; when it ends (or times out) every process of that session still alive,
 Ray's daemons and workers included, is ended, and ``DIR/run.json`` records what was left.
 """
@@ -63,7 +65,7 @@ def overrides(args: argparse.Namespace, out: Path) -> list[str]:
         f"trainer.use_legacy_worker_impl={WORKERS[args.workers]}",
         # the actor (and the rollout stand-in), fp32, no compile, sdpa
         f"actor_rollout_ref.model.path={inputs / 'model'}",
-        "actor_rollout_ref.model.use_remove_padding=False",
+        f"actor_rollout_ref.model.use_remove_padding={args.remove_padding}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"{actor}.strategy=fsdp2",
@@ -85,7 +87,7 @@ def overrides(args: argparse.Namespace, out: Path) -> list[str]:
         # the critic: the same body with the seeded value head
         f"{critic}.model.path={inputs / 'critic'}",
         f"{critic}.model.tokenizer_path={inputs / 'model'}",
-        f"{critic}.model.use_remove_padding=False",
+        f"{critic}.model.use_remove_padding={args.critic_remove_padding or args.remove_padding}",
         f"{critic}.model.enable_gradient_checkpointing=False",
         f"+{critic}.model.override_config.attn_implementation=sdpa",
         f"{critic}.strategy={'fsdp2' if args.workers == 'legacy' else 'fsdp'}",
@@ -207,12 +209,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=2, help="responses per prompt")
     p.add_argument("--micro-batch", type=int, default=4, help="per rank")
     p.add_argument("--response-length", type=int, default=16)
+    p.add_argument(
+        "--remove-padding",
+        choices=("True", "False"),
+        default="True",
+        help="use_remove_padding of the actor and the critic (default True: verl's actor default)",
+    )
+    p.add_argument(
+        "--critic-remove-padding",
+        choices=("True", "False"),
+        help="the critic's alone (default: --remove-padding); the engine critic ignores it",
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--critic-lr", type=float, default=1e-4)
     p.add_argument(
         "--dump",
         action="store_true",
         help="save the diagnostic tensors into DIR/dump (subjects.verl.rl_shim; numbers unchanged)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="the rollout's data digests into DIR/ranks (subjects.verl.rl_rollout)",
+    )
+    p.add_argument(
+        "--plant",
+        metavar="repeat-batch@K",
+        help="a data bug for tests: step K takes step K-1's prompts again (rl_rollout)",
     )
     p.add_argument("--timeout-s", type=float, default=1200)
     p.add_argument("--python", type=Path, help="the verl environment's python (default: built)")
@@ -243,10 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.dump:
         variables["PARITY_VERL_DUMP"] = str(out / "dump")
+    if args.record:
+        variables["PARITY_VERL_RECORD"] = str(out)
+    if args.plant:
+        variables["PARITY_VERL_PLANT"] = args.plant
     environ = {**os.environ, **variables}
     unwanted = ["CUDA_VISIBLE_DEVICES", "RAY_ADDRESS"]  # a local cluster, no real GPU
-    if not args.dump:
-        unwanted.append("PARITY_VERL_DUMP")
+    for flag, name in ((args.dump, "PARITY_VERL_DUMP"), (args.record, "PARITY_VERL_RECORD")):
+        if not flag:
+            unwanted.append(name)
+    if not args.plant:
+        unwanted.append("PARITY_VERL_PLANT")
     for name in unwanted:  # a local cluster, no real GPU
         environ.pop(name, None)
     for stale in (FILE_LOGGER, METRICS):  # verl's file logger appends

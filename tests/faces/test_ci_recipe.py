@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from parity.cli import main
-from tests.orchestration.history import git
+from tests.orchestration.history import commit, git, new_repo
 
 ROOT = Path(__file__).resolve().parents[2]
 CI_SCRIPTS = sorted((ROOT / "ci").glob("*.sh"))
@@ -74,18 +74,14 @@ def test_the_job_matches_its_golden(parity_runner, parity_golden):
 
 
 def _commit(repo: Path, factor: str, label: str) -> None:
-    (repo / "job.py").write_text(JOB.format(factor=factor, label=label))
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", label)
+    commit(repo, label, {"job.py": JOB.format(factor=factor, label=label)})
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     """A user's repository: main with the job and its spec, a branch `feature` one commit on
     that changes nothing the job computes."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q", "-b", "main")
+    repo = new_repo(tmp_path / "repo")
     (repo / "parity.toml").write_text(SPEC)
     _commit(repo, "1.0", "the job")
     git(repo, "checkout", "-q", "-b", "feature")
@@ -305,8 +301,7 @@ def test_the_pytest_recipe_a_golden_made_at_the_base(repo: Path, shell_env: dict
     assert done.returncode == 0, done.stdout[-3000:]
     (baseline,) = (repo / "fixtures" / "golden" / "my-job").iterdir()
     assert (baseline / "metrics.jsonl").is_file()
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "the parity test and its golden")
+    commit(repo, "the parity test and its golden")
     (repo / "job.py").write_text(RECORDED_JOB.format(factor="1.5"))
     done = pytest_run()
     assert done.returncode == 1, done.stdout[-3000:]
@@ -384,8 +379,7 @@ def test_the_projects_parity_check_sh_runs_twice_into_fresh_folders(
     python.write_text(f'#!/bin/sh\ncase "$2" in pip|pytest) exit 0 ;; esac\n'
                       f'exec "{sys.executable}" "$@"\n')  # fmt: skip
     python.chmod(0o755)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "the project's own CI")
+    commit(repo, "the project's own CI")
     env = {**shell_env, "PYTHON": str(python)}
     first = _bash(repo / "ci" / "parity-check.sh", repo, env, "main")
     assert first.returncode == 0, first.stdout + first.stderr

@@ -71,6 +71,7 @@ def test_pair_command_catches_injected_bug(tmp_path):
         "pair", "--task", "charcount-sft", "--a", "legacy", "--b", "worker",
         "--world", "2", "--steps", "3",
         "--inject-b", "lr-before-step", "--in-process", "--out", str(tmp_path / "pair"), "--json",
+        "--no-trace",  # the op-trace rerun: tests/run/test_trace_rerun.py
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     out = json.loads(proc.stdout)

@@ -306,6 +306,48 @@ def test_the_sides_own_run_folders_are_no_environment_difference(runs, tmp_path)
     assert rows == {"device": False}  # shown (not a config key), not marked as differing
 
 
+CARRY_JOB = """\
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+loss = float(Path("data/in.txt").read_text())  # ignored by git: carried into the worktree
+out.mkdir(parents=True, exist_ok=True)
+records = [{"step": 1, "train/loss": loss}, {"event": "end", "steps": 1}]
+(out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in records))
+"""
+
+
+def test_a_check_side_s_reproduce_script_carries_its_inputs(tmp_path, monkeypatch):
+    """A job that reads an input git ignores, carried into check's worktree (parity.carry): the
+    report's script copies it from the checkout into the worktree it makes again, so the rerun
+    reads it as the run did."""
+    from parity.carry import Carry, carry_items
+    from parity.check import run_in_tree, worktree
+    from parity.report import build_report
+    from parity.spec import JobSpec
+    from tests.orchestration.history import commit, new_repo
+
+    repo = new_repo(tmp_path / "repo")
+    commit(repo, "the job", {".gitignore": "data/\n", "job.py": CARRY_JOB})
+    (repo / "data").mkdir()
+    (repo / "data" / "in.txt").write_text("0.5\n")
+    carry = Carry.of(repo, carry_items(["data/in.txt"], "--carry"))
+    spec = JobSpec(command=["job.py", "--out", "{out}"], distributed=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with worktree(repo, "HEAD") as tree:
+        carry.into(tree)
+        run_in_tree(spec, tree, tmp_path / "run", carry=carry)
+    script = _script(build_report(tmp_path / "run", tmp_path / "run").markdown(), "A")
+    assert any(line.startswith("mkdir -p ") and "cp -R " in line for line in script), script
+    (tmp_path / "run" / "metrics.jsonl").unlink()  # the rerun writes it again
+    done = subprocess.run(["bash", "-ec", "\n".join(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert '"train/loss": 0.5' in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 def test_a_check_side_s_reproduce_script_runs_after_its_worktree_is_gone(tmp_path, monkeypatch):
     """End to end, one plain process (no torchrun): a job run in check's temporary worktree
     records it (reproduce.json), the worktree is removed, and the report's script for that side,

@@ -7,6 +7,7 @@ bisection on top."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 JOB = """\
@@ -53,6 +54,28 @@ def git(repo: Path, *args: str, check: bool = True) -> str:
     return subprocess.run(cmd, check=check, capture_output=True, text=True).stdout
 
 
+def new_repo(root: Path) -> Path:
+    """An empty repository in ``root`` (made if missing) on branch main."""
+    root.mkdir(parents=True, exist_ok=True)
+    git(root, "init", "-q", "-b", "main")
+    return root
+
+
+def commit(repo: Path, message: str, files: Mapping[str, str | bytes] | None = None) -> str:
+    """``files`` (path in the repository: text or bytes) written, everything that git does not
+    ignore staged, and committed as ``message``; the new commit."""
+    for name, content in (files or {}).items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD").strip()
+
+
 def repo_state(repo: Path, *files: str) -> dict[str, str]:
     """Everything of the user's a command must leave as it was: HEAD, branches, refs, worktrees,
     tree and index, a bisection under way, and the text of ``files``."""
@@ -73,11 +96,9 @@ def repo_state(repo: Path, *files: str) -> dict[str, str]:
 def make_repo(root: Path) -> Path:
     """The five commits in ``root``, a staged spec, an uncommitted edit and the user's own
     bisection mid-way."""
-    git(root, "init", "-q", "-b", "main")
+    new_repo(root)
     for subject, nudge, label in COMMITS:
-        (root / "job.py").write_text(JOB.format(nudge=nudge, label=label))
-        git(root, "add", "job.py")
-        git(root, "commit", "-q", "-m", subject)
+        commit(root, subject, {"job.py": JOB.format(nudge=nudge, label=label)})
     (root / "spec.toml").write_text(SPEC)
     git(root, "add", "spec.toml")  # staged, never committed
     (root / "job.py").write_text(JOB.format(nudge=True, label="uncommitted edit"))

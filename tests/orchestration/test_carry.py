@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from parity.cli import main
-from tests.orchestration.history import git, repo_state
+from tests.orchestration.history import commit, git, new_repo, repo_state
 
 pytestmark = pytest.mark.parity
 
@@ -64,8 +64,7 @@ def job(nudge: bool, label: str, write: bool = False) -> str:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("carry")
-    git(root, "init", "-q", "-b", "main")
+    root = new_repo(tmp_path_factory.mktemp("carry"))
     (root / ".gitignore").write_text("*.bin\ndata/tok/\nspec*.toml\n")
     (root / "data" / "tok").mkdir(parents=True)
     (root / "data" / "prepare.py").write_text("# makes train.bin\n")
@@ -73,18 +72,15 @@ def repo(tmp_path_factory) -> Path:
     (root / "data" / "tok" / "vocab.txt").write_text("a b c\n")
     (root / "data" / "tok" / "merges.txt").write_text("a b\n")
     for subject, nudge in COMMITS:
-        (root / "job.py").write_text(job(nudge, subject))
-        git(root, "add", ".")
-        git(root, "commit", "-q", "-m", subject)
+        commit(root, subject, {"job.py": job(nudge, subject)})
     git(root, "checkout", "-q", "-b", "writer", "main~3")
-    (root / "job.py").write_text(job(False, "writer", write=True))
-    git(root, "commit", "-q", "-am", "the job writes its data")
+    commit(root, "the job writes its data", {"job.py": job(False, "writer", write=True)})
     git(root, "checkout", "-q", "-b", "tracks", "main~3")
     (root / "data" / "extra.bin").write_bytes(b"extra")
-    git(root, "add", "-f", "data/extra.bin")
-    git(root, "commit", "-q", "-m", "track a data file")
+    git(root, "add", "-f", "data/extra.bin")  # an ignored file tracked all the same
+    commit(root, "track a data file")
     git(root, "rm", "-q", "--cached", "data/extra.bin")
-    git(root, "commit", "-q", "-m", "untrack it again")
+    commit(root, "untrack it again")
     git(root, "checkout", "-q", "main")
     (root / "spec.toml").write_text(SPEC.format(check=CARRY))
     (root / "spec-bare.toml").write_text(SPEC.format(check=""))

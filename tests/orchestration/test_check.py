@@ -18,7 +18,7 @@ import parity.check
 import parity.run.job
 from parity.cli import main
 from parity.run.launch import LaunchResult
-from tests.orchestration.history import git, repo_state
+from tests.orchestration.history import commit, git, new_repo, repo_state
 
 pytestmark = pytest.mark.parity
 
@@ -162,7 +162,8 @@ def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, cap
     before = snapshot(repo)
     seen: list[Path] = []
 
-    def fake_launch(args, *, cwd, run_dir, **kwargs):
+    def fake_launch(request):
+        cwd, run_dir = request.cwd, request.run_dir
         seen.append(Path(cwd))
         assert (Path(cwd) / "job.py").is_file()
         if failure == "exception":
@@ -195,7 +196,8 @@ def test_teardown_crash_is_failed_but_metrics_are_compared(
     lines = [json.dumps({"step": i, "train/loss": 1.0 / i}) for i in range(1, 6)]
     metrics = "\n".join([*lines, '{"event": "end", "steps": 5}\n'])
 
-    def fake_launch(args, *, cwd, run_dir, **kwargs):
+    def fake_launch(request):
+        args, run_dir = request.module_or_script_args, request.run_dir
         out = Path(args[args.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text(metrics)
@@ -234,7 +236,8 @@ def test_a_reused_run_folder_is_refused_and_kept(repo, tmp_path, monkeypatch):
     (run_dir / "trainer_state.json").write_text('{"log_history": [{"loss": 1.0, "step": 1}]}')
     seen: list[list[str]] = []
 
-    def fake_launch(args, *, cwd, run_dir, **kwargs):
+    def fake_launch(request):
+        run_dir = request.run_dir
         seen.append(sorted(p.name for p in (tmp_path / "base").iterdir()))
         return LaunchResult(returncode=0, timed_out=False, duration_s=0.0, run_dir=run_dir)
 
@@ -243,3 +246,58 @@ def test_a_reused_run_folder_is_refused_and_kept(repo, tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="base: a folder is already there"):
         parity.check.run_in_tree(spec, repo, run_dir)
     assert seen == [] and [p.name for p in run_dir.iterdir()] == ["trainer_state.json"]
+
+
+QUIET_FORMAT = """\
+import pandas as pd
+
+from parity.readers import Format
+from parity.readers.frame import FLOAT64, finish
+
+
+def read(path, options):
+    rows = dict(line.split() for line in (path / "train.quiet").read_text().splitlines())
+    values = pd.DataFrame({"train/loss": [float(v) for v in rows.values()]},
+                          index=pd.Index([int(k) for k in rows], dtype="int64", name="step"))
+    return finish(values, values.notna(), source=path, fmt="quiet", precision=FLOAT64)
+
+
+FORMATS = [Format("quiet", read, lambda path, head: False, "named only", FLOAT64)]
+"""
+
+QUIET_JOB = """\
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+(out / "train.quiet").write_text("".join(f"{i} {1.0 / i!r}\\n" for i in range(1, 4)))
+"""
+
+
+def test_check_reads_each_revision_s_run_in_the_spec_s_read_format(tmp_path, monkeypatch, capsys):
+    """A run that only its `[read]` format reads (a plugin's format that claims nothing, so it is
+    never detected) is a run: check compares it (aligned), not "wrote nothing readable"."""
+    from importlib.metadata import EntryPoint
+
+    import parity.readers as readers
+
+    (tmp_path / "quiet_format.py").write_text(QUIET_FORMAT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    quiet = [EntryPoint("quiet", "quiet_format:FORMATS", "llm_parity.readers")]
+    monkeypatch.setattr(readers, "entry_points", lambda group: quiet)
+    readers._registry.cache_clear()
+    monkeypatch.chdir(new_repo(tmp_path / "repo"))
+    commit(Path.cwd(), "base", {"job.py": QUIET_JOB})
+    commit(Path.cwd(), "head: a comment", {"job.py": QUIET_JOB + "# a comment\n"})
+    spec = 'task = "custom"\ndistributed = false\ncommand = ["job.py", "--out", "{out}"]\n'
+    (tmp_path / "spec.toml").write_text(spec + '[read]\nformat = "quiet"\n')
+    try:
+        code = main(["check", "--base", "HEAD~1", "--spec", str(tmp_path / "spec.toml"),
+                     "--out", str(tmp_path / "out"), "--json"])  # fmt: skip
+    finally:
+        readers._registry.cache_clear()
+    said = capsys.readouterr()
+    assert code == 0, said.out + said.err
+    result = json.loads(said.out.strip().splitlines()[-1])
+    assert result["verdict"] == "aligned" and result["metrics"]["train/loss"]["steps_compared"] == 3

@@ -1,10 +1,11 @@
 """The harness's layers, asserted so that they stay: data flows one way, and a module never
 imports one of a higher layer, nor another module's private names.
 
-    base     record/ (imports nothing else of parity), readers/, errors, files, outdir
+    base     record/ (imports nothing else of parity), readers/, errors, files, outdir, secrets
     judge    judge/ (policy, ulp, compare, noise, golden, diagnose, opdiff, onpolicy, topology),
              spec, tasks, report
-    run      run/ (signals, world, launch, slurm, job, mutants, inprocess, pool, trace_rerun)
+    run      run/ (signals, world, launch, results, torchrun_logs, proc_scan, slurm, job, mutants,
+             inprocess, pool, trace_rerun)
     orchestration  pair, check, carry, bisect
     faces    cli, plugin, the package's lazy exports (parity/__init__.py)
 
@@ -22,7 +23,14 @@ import pytest
 PARITY = Path(__file__).resolve().parents[2] / "parity"
 
 LAYERS = {
-    "base": ["parity.record", "parity.readers", "parity.errors", "parity.files", "parity.outdir"],
+    "base": [
+        "parity.record",
+        "parity.readers",
+        "parity.errors",
+        "parity.files",
+        "parity.outdir",
+        "parity.secrets",
+    ],
     "judge": ["parity.spec", "parity.tasks", "parity.judge", "parity.report"],
     "run": ["parity.run"],
     "orchestration": ["parity.pair", "parity.check", "parity.carry", "parity.bisect"],
@@ -107,6 +115,14 @@ def test_no_module_takes_another_modules_private_names(path: Path) -> None:
         if name.startswith("_") and module != me
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_local_launcher_imports_no_job_model() -> None:
+    """parity.run.launch starts processes: what it masks in its reproduce line comes from the
+    base module parity.secrets, not from the job and pair model in parity.spec."""
+    taken = [module for _, module, _ in imports(PARITY / "run" / "launch.py")]
+    assert "parity.spec" not in taken
+    assert "parity.secrets" in taken
 
 
 def test_a_planted_upward_import_is_caught(tmp_path: Path, monkeypatch) -> None:

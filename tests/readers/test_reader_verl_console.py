@@ -13,6 +13,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -234,3 +235,96 @@ def test_a_warning_glued_to_a_step_line(tmp_path):
     assert list(f.index) == [1, 2, 3] and f.attrs["skipped"] == []
     assert f.loc[2, "train/loss"] == 1.25 and f.loc[2, "train/total_tokens(B)"] == 0.0
     assert any("other output glued to a step line" in n for n in f.attrs["notes"])
+
+
+DECIMALS = st.decimals(-100, 100, places=4, allow_nan=False, allow_infinity=False).map(float)
+COLUMN = st.lists(
+    DECIMALS  # a log rounded at 4 places (read at its decimals) ...
+    | st.floats(allow_nan=True, allow_infinity=True)  # ... or in full, huge, inf, nan
+    | st.integers(-(10**12), 10**12).map(float)
+    | st.sampled_from([0.1, 0.5, 1e-4, 0.3125]),
+    min_size=1,
+    max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(columns=st.lists(COLUMN, min_size=1, max_size=3), float32=st.booleans())
+def test_precision_is_infer_decimals_without_sorting_every_column(columns, float32):
+    """The read's precision: what finish(written=True) gives (frame.infer_decimals), though
+    columns whose first values are written in full skip frame.rounded_places."""
+    from parity.readers.frame import FLOAT32, infer_decimals
+    from parity.readers.verl_console import _written_precision
+
+    n = max(len(c) for c in columns)
+    frame = pd.DataFrame({f"m{i}": c + [np.nan] * (n - len(c)) for i, c in enumerate(columns)})
+    precision = {"m0": FLOAT32} if float32 else {}
+
+    def every(p: dict) -> dict:  # as finish() takes a precision: float64 where none is named
+        return {c: p.get(c, "float64") for c in frame.columns}
+
+    assert every(_written_precision(frame, precision)) == infer_decimals(frame, every(precision))
+
+
+def test_a_log_in_full_precision_sorts_no_column(tmp_path, monkeypatch):
+    """A long log whose values are Python reprs in full asks frame.rounded_places nothing (it
+    sorts each column: a fifth of a read's time before), and one rounded at 4 places is still
+    read at them."""
+    import parity.readers.frame
+
+    rng = np.random.default_rng(0)
+    full = "".join(f"step:{i} - a:{rng.standard_normal()!r} - b:{i / 7!r}\n" for i in range(500))
+    rounded = "".join(f"step:{i} - a:{rng.standard_normal():.4f}\n" for i in range(500))
+    (tmp_path / "full.log").write_text(full)
+    (tmp_path / "rounded.log").write_text(rounded)
+    asked = []
+    real = parity.readers.frame.rounded_places
+    monkeypatch.setattr(
+        parity.readers.frame, "rounded_places", lambda x: asked.append(1) or real(x)
+    )
+    assert read_metrics(tmp_path / "full.log", "verl-console").attrs["precision"] == {
+        "a": "float64",
+        "b": "float64",
+    }
+    assert not asked
+    assert read_metrics(tmp_path / "rounded.log", "verl-console").attrs["precision"] == {
+        "a": "decimals:4"
+    }
+
+
+SEPARATOR = st.sampled_from([" - "] * 6 + [" -  ", "  - ", " -", "- ", " - - ", " -\t", ""])
+TOKEN = st.sampled_from(["a:1", "b:-2e-05", "x-y:-1", "c: 3", "-", "", "d:nan", "e:-", "f:1 "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(SEPARATOR, TOKEN), max_size=4), min_size=1, max_size=4))
+def test_rows_are_the_replaced_tokens_or_none(lines):
+    """`_rows`, numpy's stand-in for `text.replace(b" - ", b"\n")`: the same rows (after a
+    line's first, each key with '- ' in front), or None where the replace would leave a space or
+    tab in a token or an empty token, or a token the parser refuses anyway (' - - - ' replaced
+    leaves a '-' without ':')."""
+    from parity.readers.verl_console import _rows
+
+    text = "\n".join("step:1" + "".join(s + t for s, t in line) for line in lines).encode()
+    replaced = text.replace(b" - ", b"\n")
+    clean = not any(c in replaced for c in b" \t") and b"\n\n" not in replaced
+    clean = clean and not replaced.endswith(b"\n")
+    body = _rows(text)
+    assert body is None or clean
+    if body is None:
+        assert not clean or any(b":" not in row for row in replaced.split(b"\n"))
+    else:
+        assert [r.removeprefix(b"- ") for r in body.split(b"\n")] == replaced.split(b"\n")
+
+
+def test_a_metric_named_step_is_left_to_the_line_reader(tmp_path):
+    """`_rows` keeps '- ' before each later key: '- step' taken off is the lines' own 'step',
+    which the vectorised reader must decline (the line reader names it), not take for steps."""
+    from parity.readers.frame import MetricsError
+    from parity.readers.verl_console import _console_fast
+
+    text = b"step:1 - step:1 - a:1\nstep:2 - step:2 - a:2\n"
+    assert _console_fast(text) is None
+    (tmp_path / "x.log").write_bytes(text)
+    with pytest.raises(MetricsError, match="may not be named 'step'"):
+        read_metrics(tmp_path / "x.log", "verl-console")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from parity.judge.diagnose import diagnose, read_rank_data
-from parity.record.tracking import StepMerger, numbers
+from parity.record.tracking import RecordingLogger, StepMerger, numbers
 from parity.spec import JobSpec, PairSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,36 @@ def test_a_repeated_key_with_the_same_value_is_dropped_another_value_is_kept() -
     assert merger.new(1, {"epoch": 1}) == {"epoch": 1}  # Recorder.log refuses it, as it should
     assert merger.new(2, {"epoch": 0}) == {"epoch": 0}
     assert numbers({"a": 1, "b": "text", "c": 2.5, "d": None}) == {"a": 1, "c": 2.5}
+
+
+@pytest.mark.parametrize("library", ["lightning", "accelerate"])
+def test_both_loggers_are_one_base_that_records_in_process(library, tmp_path) -> None:
+    """ParityLogger and ParityTracker take their run folder, config, lazy Recorder and step
+    logging from RecordingLogger, and write the same run folder through it (one process)."""
+    if library == "lightning":
+        pytest.importorskip("pytorch_lightning")
+        from parity.record.lightning import ParityLogger as cls
+    else:
+        pytest.importorskip("accelerate")
+        from parity.record.accelerate import ParityTracker as cls
+    assert issubclass(cls, RecordingLogger) and "__init__" not in vars(cls)
+    logger = cls(tmp_path / "run", manifest={"note": "x"})
+    assert not (tmp_path / "run").exists()  # nothing made before the first use
+    log = logger.log_metrics if library == "lightning" else logger.log
+    with pytest.raises(ValueError, match=f"{cls.__name__}: .*runs are compared by step"):
+        log({"loss": 1.0})
+    if library == "lightning":
+        logger.log_hyperparams({"lr": 0.1})
+    else:
+        logger.store_init_configuration({"lr": 0.1})
+    log({"loss": 2.0, "epoch": 0, "name": "text"}, step=1)
+    log({"val": 1.5, "epoch": 0}, step=1)
+    logger.finalize("success") if library == "lightning" else logger.finish()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in lines if "event" not in x][0] == {"step": 1, "loss": 2.0, "epoch": 0}
+    assert lines[-1]["event"] and logger.recorder.finished
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert (manifest["config"], manifest["note"]) == ({"lr": 0.1}, "x")
 
 
 @pytest.mark.parity

@@ -5,27 +5,24 @@ A job that switches a shared library (a package of neither side's) to an "old ke
 module global must not pass that switch on to the job after it, even where the warm ranks
 imported that library for it (`preload`); and every task preset with every mutant, run one after
 the other through each fast path (with the presets' own preload, worker.boot), matches its plain
-launch bit for bit.
+launch bit for bit (the jobs and their runs: tests/run/catalogue.py; the same jobs through Slurm,
+in one allocation and as parallel jobs: tests/run/test_slurm.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from parity import assert_parity
 from parity.judge.compare import compare_frames
-from parity.readers import read_metrics
-from parity.run import world
-from parity.run.inprocess import command, run_pair_in_process
+from parity.run.inprocess import run_pair_in_process
 from parity.run.job import run_job
-from parity.run.launch import launch
 from parity.run.pool import Pools
 from parity.spec import JobSpec, PairSpec, SpecError
-from parity.tasks import catalogues, load_catalogue, registered
+from tests.run.catalogue import assert_bitwise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,75 +124,13 @@ def test_a_shared_librarys_state_never_reaches_the_next_job(shared_state_pair, t
 
 # --- every preset and every mutant: each fast path against plain launches ------------------------
 
-#: its data order comes from the clock: no two runs alike, however launched (the noise floor's)
-NONDETERMINISTIC = {"sampler-seed-from-time"}
-#: refuses to start (a reward model with no implementation): a failure, however launched
-FAILING = ("charcount-ppo", "reward-missing-engine", "has no engine or legacy implementation")
-#: each preset in 2 steps, at world 2; PPO's batch at its smallest: 2 prompts a rank, 2 updates
-#: an epoch (its default 2 epochs)
-SMALL = {
-    "charcount-ppo": {"global_batch_size": 4, "micro_batch_size": 1,
-                      "overrides": {"ppo_mini_batch_size": 2}},
-}  # fmt: skip
-
-
-def _preset(task: str, inject: list[str] | None = None) -> JobSpec:
-    return JobSpec(task=task, world_size=2, steps=2, inject=inject or [], **SMALL.get(task, {}))
-
-
-def _catalogue() -> list[JobSpec]:
-    """Each registered preset with every deterministic mutant of every catalogue applied at once
-    (each patches its own function), then clean: the clean job comes after the mutated one, so
-    a mutant that outlived its job would show there. Last, the job that fails on purpose."""
-    mutants = {name for module in catalogues().values() for name in load_catalogue(module)}
-    inject = sorted(mutants - NONDETERMINISTIC - {FAILING[1]})
-    jobs = [job for task in sorted(registered()) for job in (_preset(task, inject), _preset(task))]
-    return [*jobs, _preset(FAILING[0], [FAILING[1]])]
-
-
-def _in_process(specs: list[JobSpec], folder: Path) -> list:
-    """Every job as a side of one in-process launch, in order (the last fails, which fails the
-    launch); each side's metrics, None for the last."""
-    outs = [folder / f"side-{k}" for k in range(len(specs))]
-    for out in outs:
-        out.mkdir(parents=True)
-    result = launch(command(specs, outs, folder / "timing.json"), nproc=2, run_dir=folder / "run")
-    assert not result.ok and FAILING[2] in result.describe()
-    for k in range(len(specs) - 1):  # each side's children formed a world of 2 of their own
-        assert world.judge(folder / "run" / "world" / f"side-{k}", 2) == ""
-    return [read_metrics(out) for out in outs[:-1]] + [None]
-
-
-def _pooled(specs: list[JobSpec], folder: Path) -> list:
-    """Every job through one warm pool, in order; each one's metrics, None for the last (it
-    failed in the pool: the caller would launch it alone)."""
-    pools = Pools(folder / "pools")
-    try:
-        runs = [pools.run(spec, folder / f"job-{k}") for k, spec in enumerate(specs)]
-    finally:
-        pools.close()
-    assert runs[-1] is None and all(run.in_process for run in runs[:-1])
-    return [run.metrics for run in runs[:-1]] + [None]
-
 
 @pytest.mark.parity
-def test_every_preset_and_mutant_runs_bitwise_through_each_fast_path(tmp_path):
-    specs = _catalogue()
+def test_every_preset_and_mutant_runs_bitwise_through_each_fast_path(catalogue_runs):
+    specs, plain = catalogue_runs.specs, catalogue_runs.plain
     assert {s.task for s in specs} >= {"charcount-sft", "charcount-ppo"}
     assert {tuple(s.preload) for s in specs} == {("worker.boot",)}  # the presets' preload
-    # the fast paths run beside the plain launches: each launch leaves a core idle at times
-    with ThreadPoolExecutor(2) as fast_paths:
-        running = {"in-process": fast_paths.submit(_in_process, specs, tmp_path / "in-process"),
-                   "pool": fast_paths.submit(_pooled, specs, tmp_path / "pool")}  # fmt: skip
-        plain = [
-            run_job(spec, tmp_path / f"plain-{k}").metrics for k, spec in enumerate(specs[:-1])
-        ]
-        fast = {path: future.result() for path, future in running.items()}
-    for path, frames in fast.items():
-        for spec, got, want in zip(specs, frames, plain, strict=False):
-            what = f"{path}: {spec.task} with {len(spec.inject)} mutants"
-            assert got is not None, what
-            comparison = compare_frames(got, want)  # exact, but for the timings (ignored)
-            assert not comparison.failures and len(comparison.metrics) > 5, what
+    for path, frames in catalogue_runs.fast.items():
+        assert_bitwise(path, specs, frames, plain)
     for mutated, clean in zip(plain[0::2], plain[1::2], strict=True):  # each preset's mutants
         assert compare_frames(mutated, clean).failures  # did change its numbers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,18 +12,24 @@ from pathlib import Path
 
 import pytest
 
+import parity.run.launch as launch_module
+from parity.files import launch_dir
+from parity.run.job import launch_line, launch_spec
 from parity.run.launch import (
     LAUNCH_ID_ENV,
     LaunchError,
+    LaunchRequest,
     LaunchResult,
     _has_rdzv_args,
     _kill_leftovers,
+    carrying,
     free_port,
     launch,
     launch_or_raise,
     parse_failures,
     survivors,
 )
+from parity.spec import JobSpec
 from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
 DUMMY = Path(__file__).resolve().parents[1] / "jobs" / "dummy_job.py"
@@ -31,7 +38,8 @@ DUMMY = Path(__file__).resolve().parents[1] / "jobs" / "dummy_job.py"
 def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
     env = {"DUMMY_MODE": mode, "DUMMY_RANK": "1", "DUMMY_OUT": str(tmp_path / "out")}
     # the run dir on the worker command line lets the orphan check find the workers
-    result = launch([str(DUMMY), str(tmp_path)], nproc=2, run_dir=tmp_path, env=env, **kwargs)
+    args = [str(DUMMY), str(tmp_path)]
+    result = launch(LaunchRequest(args, nproc=2, run_dir=tmp_path, env=env, **kwargs))
     _assert_no_orphans(tmp_path, result)
     return result
 
@@ -39,6 +47,41 @@ def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
 def _assert_no_orphans(tmp_path: Path, result: LaunchResult) -> None:
     assert procs_mentioning(str(tmp_path)) == []
     assert survivors(result.launch_id) == []
+
+
+class _NotStarted(Exception):
+    """Raised in place of starting the launch's processes: the argv is already logged."""
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"world_size": 2, "torchrun_args": ["--max-restarts", "0"]},
+        {"world_size": 1, "distributed": False},
+        {"world_size": 4, "nnodes": 2},
+    ],
+    ids=["torchrun", "plain", "two-nodes"],
+)
+def test_the_previewed_launch_line_is_the_one_launch_runs(shape, tmp_path, monkeypatch) -> None:
+    """`parity spec --command`'s line (launch_line) equals launcher.log's first line of the real
+    launch of the same spec, env and secrets included; two nodes: node 0's, the rendezvous'
+    endpoint and id made at launch standing for the preview's PORT and RDZV_ID."""
+
+    def not_started(*args, **kwargs):
+        raise _NotStarted
+
+    monkeypatch.setattr(launch_module, "_supervise", not_started)
+    env = {"NEW_IMPL": "1", "API_TOKEN": "s3cret"}
+    spec = JobSpec(task="custom", command=["train.py", "--out", "{out}"], env=env, **shape)
+    out = tmp_path / "run"
+    with pytest.raises(_NotStarted):
+        launch_spec(spec, out, "a")
+    node = "node0/" if spec.nnodes > 1 else ""
+    logged = (launch_dir(out) / f"{node}launcher.log").read_text().splitlines()[0]
+    logged = re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1:PORT", logged)
+    logged = re.sub(r"--rdzv-id parity-\w+", "--rdzv-id RDZV_ID", logged)
+    assert logged == f"# {launch_line(spec, out)}"
+    assert "s3cret" not in logged
 
 
 @pytest.mark.parity
@@ -59,7 +102,7 @@ def test_ok_run_writes_metrics_and_logs(tmp_path: Path) -> None:
 def test_raise_names_rank_and_traceback(tmp_path: Path) -> None:
     env = {"DUMMY_MODE": "raise", "DUMMY_RANK": "1"}
     with pytest.raises(LaunchError) as info:
-        launch_or_raise([str(DUMMY), str(tmp_path)], nproc=2, run_dir=tmp_path, env=env)
+        launch_or_raise(LaunchRequest([str(DUMMY), str(tmp_path)], 2, tmp_path, env=env))
     result = info.value.result
     _assert_no_orphans(tmp_path, result)
     first = result.failures[0]
@@ -207,13 +250,58 @@ def test_orphan_in_its_own_session_is_killed() -> None:
     assert survivors(launch_id) == []
 
 
+def test_every_launcher_takes_one_request() -> None:
+    """What a launch runs is one ``LaunchRequest``, the same for each launcher (their own
+    settings are keywords after it), and a caller's later change of its lists cannot reach it."""
+    import dataclasses
+    import inspect
+
+    from parity.run import slurm
+
+    for launcher in (launch, launch_module.launch_plain, launch_module.launch_nodes, slurm.launch):
+        params = list(inspect.signature(launcher).parameters.values())
+        assert params[0].name == "request", launcher.__name__
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[1:]), launcher.__name__
+    args, env = ["job.py"], {"SEED": "1"}
+    request = LaunchRequest(args, nproc=2, run_dir=Path("r"), env=env, torchrun_args=["--x"])
+    args.append("--late")
+    env["LATE"] = "1"
+    assert request.module_or_script_args == ("job.py",) and request.env == {"SEED": "1"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.nproc = 4  # type: ignore[misc]
+
+
+def test_proc_scan_finds_marked_or_grouped_processes_but_no_zombie() -> None:
+    """``carrying`` and ``survivors`` share one /proc walk: a process is found by the mark in its
+    environment or (``survivors``' pgid) by its group, and one that exited unreaped is not."""
+    mark = "test-" + os.urandom(4).hex()
+    marked_env = {**os.environ, LAUNCH_ID_ENV: mark}
+    marked = subprocess.Popen(["sleep", "60"], env=marked_env, start_new_session=True)
+    unmarked = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    zombie = subprocess.Popen(["true"], env=marked_env)
+    try:
+        deadline = time.monotonic() + 10
+        while ") Z " not in Path(f"/proc/{zombie.pid}/stat").read_text():
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.02)
+        assert carrying(LAUNCH_ID_ENV, mark) == [marked.pid]
+        assert survivors(mark) == [marked.pid]
+        assert sorted(survivors(mark, unmarked.pid)) == sorted([marked.pid, unmarked.pid])
+    finally:
+        for proc in (marked, unmarked):
+            proc.kill()
+        for proc in (marked, unmarked, zombie):
+            proc.wait()
+
+
 @pytest.mark.parity
 def test_ctrl_c_in_parent_kills_the_job(tmp_path: Path, interruptible) -> None:
     """KeyboardInterrupt while waiting must not leave torchrun or its workers running."""
     code = (
-        "import sys; from pathlib import Path; from parity.run.launch import launch; "
-        "launch([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]), "
-        "env={'DUMMY_MODE': 'hang'}, timeout_s=120)"
+        "import sys; from pathlib import Path; "
+        "from parity.run.launch import LaunchRequest, launch; "
+        "launch(LaunchRequest([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]), "
+        "env={'DUMMY_MODE': 'hang'}, timeout_s=120))"
     )
     logs = tmp_path / "logs"
     ctrl_c_once_ready(

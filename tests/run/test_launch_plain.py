@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parity.run.job import launcher_for
-from parity.run.launch import PLAIN_LOGS, LaunchResult, launch_plain, survivors
+from parity.run.launch import PLAIN_LOGS, LaunchRequest, LaunchResult, launch_plain, survivors
 from parity.spec import JobSpec, SpecError
 from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
@@ -25,8 +25,8 @@ PLAIN = ROOT / "tests" / "jobs" / "plain_job.py"
 
 def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
     out = tmp_path / "out"
-    result = launch_plain([str(PLAIN), "--mode", mode, "--out", str(out)], nproc=1,
-                          run_dir=tmp_path / "launch", **kwargs)  # fmt: skip
+    args = [str(PLAIN), "--mode", mode, "--out", str(out)]
+    result = launch_plain(LaunchRequest(args, nproc=1, run_dir=tmp_path / "launch", **kwargs))
     assert procs_mentioning(str(tmp_path)) == []
     assert survivors(result.launch_id) == []
     return result
@@ -85,9 +85,9 @@ def test_a_plain_job_hung_after_its_output_is_killed_after_the_grace(tmp_path: P
 
 def test_ctrl_c_kills_the_plain_job(tmp_path: Path, interruptible) -> None:
     code = (
-        "import sys; from pathlib import Path; from parity.run.launch import launch_plain; "
-        "launch_plain([sys.argv[1], '--mode', 'hang', '--out', sys.argv[2] + '/out'], nproc=1, "
-        "run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120)"
+        "import sys; from pathlib import Path; from parity.run.launch import LaunchRequest, "
+        "launch_plain; launch_plain(LaunchRequest([sys.argv[1], '--mode', 'hang', '--out', "
+        "sys.argv[2] + '/out'], nproc=1, run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120))"
     )
     stdout = tmp_path / "launch" / PLAIN_LOGS / "stdout.log"
 
@@ -102,7 +102,7 @@ def test_launch_plain_refuses_ranks_and_torchrun_flags(tmp_path: Path) -> None:
     for bad in ({"nproc": 2}, {"nproc": 1, "torchrun_args": ["--standalone"]},
                 {"nproc": 1, "expect_world": 2}):  # fmt: skip
         with pytest.raises(ValueError, match="one process"):
-            launch_plain([str(PLAIN)], run_dir=tmp_path, **bad)
+            launch_plain(LaunchRequest([str(PLAIN)], run_dir=tmp_path, **bad))
 
 
 def test_a_spec_that_is_not_distributed_gets_the_plain_launcher_here() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.run.launch import PLAIN_LOGS, launch_plain
+from parity.run.launch import PLAIN_LOGS, LaunchRequest, launch_plain
 from tests.run.procs import procs_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def test_a_helper_with_an_empty_environment_in_its_own_session_is_killed(
     script = tmp_path / "job.py"
     script.write_text(job)
     try:
-        result = launch_plain([str(script), str(tmp_path)], nproc=1, run_dir=tmp_path / "launch")
+        request = LaunchRequest([str(script), str(tmp_path)], 1, tmp_path / "launch")
+        result = launch_plain(request)
         assert result.ok, result.describe()
         helper = int((tmp_path / "helper.pid").read_text())
         assert _gone_within(str(tmp_path), 2) == []
@@ -88,17 +89,18 @@ def test_a_helper_with_an_empty_environment_in_its_own_session_is_killed(
 
 HARNESS = {
     "torchrun": (
-        "import sys; from pathlib import Path; from parity.run.launch import launch; "
-        "launch([sys.argv[1], sys.argv[2]], nproc=2, run_dir=Path(sys.argv[2]) / 'launch', "
-        "env={'DUMMY_MODE': 'hang'}, timeout_s=120)",
+        "import sys; from pathlib import Path; "
+        "from parity.run.launch import LaunchRequest, launch; "
+        "launch(LaunchRequest([sys.argv[1], sys.argv[2]], nproc=2, "
+        "run_dir=Path(sys.argv[2]) / 'launch', env={'DUMMY_MODE': 'hang'}, timeout_s=120))",
         DUMMY,
         lambda folder: [p for p in folder.glob("launch/logs/*/attempt_0/*/stdout.log")
                         if "up" in p.read_text()],
     ),
     "plain": (
-        "import sys; from pathlib import Path; from parity.run.launch import launch_plain; "
-        "launch_plain([sys.argv[1], '--mode', 'hang', '--out', sys.argv[2] + '/out'], nproc=1, "
-        "run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120)",
+        "import sys; from pathlib import Path; from parity.run.launch import LaunchRequest, "
+        "launch_plain; launch_plain(LaunchRequest([sys.argv[1], '--mode', 'hang', '--out', "
+        "sys.argv[2] + '/out'], nproc=1, run_dir=Path(sys.argv[2]) / 'launch', timeout_s=120))",
         PLAIN,
         lambda folder: [p for p in [folder / "launch" / PLAIN_LOGS / "stdout.log"]
                         if p.exists() and "up" in p.read_text()],

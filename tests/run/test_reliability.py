@@ -21,7 +21,14 @@ from parity.judge.compare import compare_frames
 from parity.pair import PairResult
 from parity.readers import read_metrics
 from parity.run.job import Run, mark_teardown, run_job
-from parity.run.launch import LaunchError, LaunchResult, RankFailure, launch_nodes, survivors
+from parity.run.launch import (
+    LaunchError,
+    LaunchRequest,
+    LaunchResult,
+    RankFailure,
+    launch_nodes,
+    survivors,
+)
 from parity.spec import JobSpec
 from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
@@ -162,8 +169,8 @@ def test_two_nodes_give_the_same_bits_as_one(parity_runner, tmp_path: Path) -> N
 def test_a_node_that_never_joins_is_named(tmp_path: Path) -> None:
     start = time.monotonic()
     result = launch_nodes(
-        [str(DUMMY), "--out", str(tmp_path / "out")],
-        nnodes=2, nproc=1, run_dir=tmp_path, node_ranks=[0], join_timeout_s=2, timeout_s=60,
+        LaunchRequest([str(DUMMY), "--out", str(tmp_path / "out")], 1, tmp_path, timeout_s=60),
+        nnodes=2, node_ranks=[0], join_timeout_s=2,
     )  # fmt: skip
     assert time.monotonic() - start < 40
     assert not result.ok and not result.timed_out
@@ -172,14 +179,15 @@ def test_a_node_that_never_joins_is_named(tmp_path: Path) -> None:
     assert result.describe().splitlines()[0] == result.note
     _no_survivors(result)
     with pytest.raises(ValueError, match="node_ranks"):
-        launch_nodes(["x"], nnodes=2, nproc=1, run_dir=tmp_path, node_ranks=[2])
+        launch_nodes(LaunchRequest(["x"], 1, tmp_path), nnodes=2, node_ranks=[2])
 
 
 @pytest.mark.parity
 def test_a_rank_failing_on_one_node_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    args = [str(DUMMY), "--out", str(tmp_path / "out"), "--mode", "exit3"]
     result = launch_nodes(
-        [str(DUMMY), "--out", str(tmp_path / "out"), "--mode", "exit3"],
-        nnodes=2, nproc=1, run_dir=tmp_path, join_timeout_s=30, timeout_s=90, peer_grace_s=10,
+        LaunchRequest(args, 1, tmp_path, timeout_s=90),
+        nnodes=2, join_timeout_s=30, peer_grace_s=10,
     )  # fmt: skip
     assert not result.ok and not result.timed_out and result.reason == "crash"
     assert (result.failures[0].rank, result.failures[0].exitcode) == (1, 3), result.describe()
@@ -191,9 +199,10 @@ def test_a_rank_failing_on_one_node_is_named_and_nothing_is_left(tmp_path: Path)
 @pytest.mark.parity
 def test_ctrl_c_during_a_multi_node_launch_leaves_nothing(tmp_path: Path, interruptible) -> None:
     code = (
-        "import sys; from pathlib import Path; from parity.run.launch import launch_nodes; "
-        "launch_nodes([sys.argv[1], sys.argv[2], '--mode', 'hang'], nnodes=2, nproc=1, "
-        "run_dir=Path(sys.argv[2]), timeout_s=120)"
+        "import sys; from pathlib import Path; "
+        "from parity.run.launch import LaunchRequest, launch_nodes; "
+        "launch_nodes(LaunchRequest([sys.argv[1], sys.argv[2], '--mode', 'hang'], nproc=1, "
+        "run_dir=Path(sys.argv[2]), timeout_s=120), nnodes=2)"
     )
     ctrl_c_once_ready(
         code, [str(DUMMY), str(tmp_path)],
@@ -209,7 +218,8 @@ import sys, time
 from pathlib import Path
 import parity.run.launch as launch_module
 
-def fake_launch(args, *, run_dir, on_tick, **kwargs):
+def fake_launch(request):
+    run_dir, on_tick = request.run_dir, request.on_tick
     run_dir.mkdir(parents=True)
     (run_dir / "up").write_text("")
     try:
@@ -221,7 +231,7 @@ def fake_launch(args, *, run_dir, on_tick, **kwargs):
         (run_dir / "cleaned").write_text("")
 
 launch_module.launch = fake_launch
-launch_module.launch_nodes(["x"], nnodes=2, nproc=1, run_dir=Path(sys.argv[1]))
+launch_module.launch_nodes(launch_module.LaunchRequest(["x"], 1, Path(sys.argv[1])), nnodes=2)
 """
 
 

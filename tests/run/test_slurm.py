@@ -2,8 +2,10 @@
 for this module and stopped by pid after it; skipped with the reason where it cannot start).
 
 Shown: the charcount SFT pair at 2 nodes x 1 rank through Slurm in one allocation, bit for bit
-the local `--nnodes 2` pair; a mutant pair diverging at the same metric and step as locally,
-the op-trace rerun in the same allocation; `check` and `bisect` naming a planted commit; and
+the local `--nnodes 2` pair; every preset with every mutant (the fast paths' differential jobs,
+tests/run/catalogue.py) bit for bit its plain launch, in one allocation and as --parallel jobs; a
+mutant pair diverging at the metric and step it does locally (test_mutants.py's table), the
+op-trace rerun in the same allocation; `check` and `bisect` naming a planted commit; and
 the faults: SIGTERM (nothing left queued or running, exit 143), a rank killed (the node named),
 Slurm's TIMEOUT, sbatch's refusal (exit 2 with its message), an allocation pending too long,
 a folder the nodes do not share, and --parallel sides on different nodes (the topology line).
@@ -28,8 +30,13 @@ import pytest
 
 from parity.judge.compare import compare_frames
 from parity.readers import read_metrics
+from parity.run import slurm
+from parity.run.job import run_job
+from parity.spec import LauncherSpec
 from tests.orchestration.history import JOB, commit_of, make_repo
+from tests.run.catalogue import assert_bitwise
 from tests.run.procs import procs_mentioning
+from tests.worker.test_mutants import CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 DUMMY = ROOT / "tests" / "jobs" / "dummy_job.py"
@@ -158,17 +165,38 @@ def test_sft_pair_through_slurm_is_the_local_pair_bit_for_bit(slurm_pair, tmp_pa
 def test_mutant_pair_through_slurm_diverges_as_locally(cluster, tmp_path):
     args = [*SFT, "--a", "legacy", "--b", "worker", "--inject-b", "layer-grad-halved", "--json"]
     slurm = parity("pair", *args, "--launcher", "slurm", "--out", str(tmp_path / "slurm"))
-    local = parity("pair", *args, "--no-trace", "--out", str(tmp_path / "local"))
-    assert slurm.returncode == 1 and local.returncode == 1, slurm.stderr + local.stderr
-    ours, theirs = json.loads(slurm.stdout), json.loads(local.stdout)
-    assert ours["diagnosis"]["metric"] == theirs["diagnosis"]["metric"] == "train/grad_norm"
-    assert ours["diagnosis"]["step"] == theirs["diagnosis"]["step"] == 1
+    assert slurm.returncode == 1, slurm.stderr
+    ours = json.loads(slurm.stdout)
+    _, _, metric, step = CHECKS["layer-grad-halved"]  # where it diverges locally
+    assert (ours["diagnosis"]["metric"], ours["diagnosis"]["step"]) == (metric, step)
     assert ours["diagnosis"]["kind"] == "same batches, numbers differ"
     # the op-trace rerun ran in the pair's allocation too, and named the first differing op
     assert ours["trace_rerun"]["reason"] == "" and ours["diagnosis"]["ops"]["status"] == "differ"
     ids = {json.loads((tmp_path / "slurm" / f"{d}.launch" / "topology.json").read_text())["job_id"]
            for d in ("a", "b", "trace-a", "trace-b")}  # fmt: skip
     assert len(ids) == 1
+
+
+@pytest.mark.parity
+def test_every_preset_and_mutant_through_slurm_is_bitwise_plain(cluster, catalogue_runs, tmp_path):
+    """The differential test's jobs (tests/run/catalogue.py) through Slurm, each bit for bit its
+    plain launch: the presets with every mutant as steps of one allocation, one after the other,
+    and the clean presets at once as jobs of their own (--parallel). Each Slurm step is a fresh
+    torchrun, so the clean-after-mutated order the warm paths need adds nothing here."""
+    specs, plain = catalogue_runs.specs[:-1], catalogue_runs.plain
+    mutated, clean = range(0, len(specs), 2), range(1, len(specs), 2)
+    held = LauncherSpec(kind="slurm")
+    with slurm.hold(held, 1, tmp_path / "allocation"):
+        steps = [run_job(specs[k].replace(launcher=held), tmp_path / f"step-{k}") for k in mutated]
+    apart = LauncherSpec(kind="slurm", parallel=True)
+    runs = slurm.run_parallel([
+        lambda k=k: run_job(specs[k].replace(launcher=apart), tmp_path / f"parallel-{k}")
+        for k in clean
+    ])  # fmt: skip
+    for path, ks, done in (("slurm", mutated, steps), ("slurm --parallel", clean, runs)):
+        assert_bitwise(path, [specs[k] for k in ks], [r.metrics for r in done],
+                       [plain[k] for k in ks])  # fmt: skip
+    assert len(jobs_under(tmp_path)) == 1 + len(clean)
 
 
 # --- check and bisect --------------------------------------------------------------------------
@@ -483,6 +511,7 @@ def test_a_step_script_holds_no_secret_and_its_job_still_gets_it(tmp_path):
     """The step script (kept after the run, readable by the nodes' users) exports no secret: the
     secrets go through a file of the user's only, that the step reads and removes as it starts;
     srun still passes them to the job. Run with stand-ins for srun and scontrol."""
+    from parity.run.launch import LaunchRequest
     from parity.run.slurm import Allocation, Side
     from parity.spec import LauncherSpec
 
@@ -490,8 +519,9 @@ def test_a_step_script_holds_no_secret_and_its_job_still_gets_it(tmp_path):
     allocation = Allocation(launcher, 1, tmp_path / "allocation")
     (allocation.folder / "steps").mkdir(parents=True)
     env = {"HF_TOKEN": SECRET, "SEED": "7"}
-    side = Side(["job.py"], 1, 1, tmp_path / "a.launch", 60, env, tmp_path, None, None, 1, None,
-                launcher)  # fmt: skip
+    request = LaunchRequest(["job.py"], 1, tmp_path / "a.launch", 60, env, cwd=tmp_path,
+                            exit_grace_s=1)  # fmt: skip
+    side = Side(request, 1, launcher)
     seq = allocation.queue(side)
     step, secrets = (allocation.folder / "steps" / f"{seq}{ext}" for ext in (".sh", ".env"))
     assert SECRET not in step.read_text() and "SEED=7" in step.read_text()
@@ -517,6 +547,7 @@ def test_a_step_signalled_as_its_allocation_ends_is_failed_with_slurms_end(tmp_p
     can be written before Slurm shows the job ended: the side is failed with Slurm's end
     (TIMEOUT, TimeLimit), as when the job's state comes first, never as the job's own crash."""
     from parity.run import slurm
+    from parity.run.launch import LaunchRequest
     from parity.spec import LauncherSpec
 
     launcher = LauncherSpec.from_value({"kind": "slurm"})
@@ -526,8 +557,9 @@ def test_a_step_signalled_as_its_allocation_ends_is_failed_with_slurms_end(tmp_p
     (allocation.folder / "steps" / "0.exit").write_text("143\n")
     states = iter([slurm.JobState("7", "RUNNING"), slurm.JobState("7", "TIMEOUT", "TimeLimit")])
     monkeypatch.setattr(slurm, "job_state", lambda job_id: next(states))
-    side = slurm.Side(["job.py"], 1, 1, tmp_path / "a.launch", 60.0, {}, None, None, None, 5.0,
-                      None, launcher, label="side a")  # fmt: skip
+    request = LaunchRequest(["job.py"], 1, tmp_path / "a.launch", 60.0, exit_grace_s=5.0,
+                            label="side a")  # fmt: skip
+    side = slurm.Side(request, 1, launcher)
     result = allocation._wait(side, 0, time.monotonic())
     assert not result.ok and "TIMEOUT" in result.describe() and "TimeLimit" in result.describe()
     assert allocation.failure.startswith("the allocation ended while side a ran")

@@ -100,11 +100,11 @@ def test_a_timeout_also_names_where_each_rank_waits(tmp_path: Path) -> None:
 
 
 def test_a_job_that_ends_normally_leaves_no_stacks_folder(tmp_path: Path) -> None:
-    from parity.run.launch import launch_plain
+    from parity.run.launch import LaunchRequest, launch_plain
 
     script = tmp_path / "quick.py"
     script.write_text("print('done')\n")
-    result = launch_plain([str(script)], nproc=1, run_dir=tmp_path / "launch")
+    result = launch_plain(LaunchRequest([str(script)], 1, tmp_path / "launch"))
     assert result.ok and not result.stacks
     assert not (tmp_path / "launch" / "stacks").exists()
 

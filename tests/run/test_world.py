@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parity.pair import run_pair
-from parity.run.launch import LaunchError, launch
+from parity.run.launch import LaunchError, LaunchRequest, launch
 from parity.run.world import HOOK_DIR, WORLD_DIR_ENV, judge
 from parity.spec import JobSpec, PairSpec, SpecError, load_spec
 
@@ -178,7 +178,7 @@ def test_a_script_that_never_forms_its_group_is_failed(tmp_path: Path) -> None:
     """Two ranks of a script that never calls init_process_group: failed, with the line."""
     script = tmp_path / "alone.py"
     script.write_text("import sys; print('training alone', flush=True)\n")
-    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    result = launch(LaunchRequest([str(script)], 2, tmp_path / "launch", expect_world=2))
     assert not result.ok and result.reason == "world"
     assert result.fault.startswith("2 processes launched, none joined a process group")
     assert result.describe().splitlines()[0].startswith(result.fault)
@@ -194,7 +194,7 @@ def test_a_job_of_lone_rank_zeros_is_failed(tmp_path: Path) -> None:
         "os.environ['LOCAL_RANK'], rank=0, world_size=1)\n"
         "dist.barrier(); dist.destroy_process_group()\n"
     )
-    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    result = launch(LaunchRequest([str(script)], 2, tmp_path / "launch", expect_world=2))
     assert result.reason == "world"
     assert "size 1, not one group of 2" in result.fault and "rank 0 claimed by 2" in result.fault
 
@@ -220,7 +220,7 @@ def test_the_group_is_judged_by_what_went_through_any_of_its_groups(
         f"{body}\n"
         "os._exit(0)\n"
     )
-    result = launch([str(script)], nproc=2, run_dir=tmp_path / "launch", expect_world=2)
+    result = launch(LaunchRequest([str(script)], 2, tmp_path / "launch", expect_world=2))
     assert result.returncode == 0, result.describe()
     assert (fault in result.fault) if fault else result.ok, result.describe()
 
