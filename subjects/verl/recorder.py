@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 
 from subjects.verl.hooks import after_import
+from subjects.verl.plant import PLANT, plant
 
 OUT = "PARITY_VERL_RECORD"
 FINGERPRINT_STEPS = "PARITY_VERL_FINGERPRINT_STEPS"
-PLANT = "PARITY_VERL_PLANT"
 DIGESTED = ("input_ids", "position_ids", "loss_mask")  # in this order, None where absent
 _TAG = "[subjects.verl.recorder]"
 
@@ -88,17 +88,6 @@ def _wrap(owner, name: str, make) -> None:
     wrapper._parity_recorder = True
     setattr(owner, name, wrapper)
     _HOOKS.append(f"{getattr(owner, '__name__', owner)}.{name}")
-
-
-def plant() -> int | None:
-    """The step of ``PARITY_VERL_PLANT=repeat-batch@K`` (None when unset)."""
-    text = os.environ.get(PLANT, "")
-    if not text:
-        return None
-    kind, _, step = text.partition("@")
-    if kind != "repeat-batch" or not step.isdigit() or int(step) < 2:
-        raise ValueError(f"{PLANT}={text!r}: expected repeat-batch@K with K >= 2")
-    return int(step)
 
 
 def _recorder():

@@ -44,7 +44,7 @@ from verl.utils.fs import copy_to_local
 from verl.utils.model import compute_position_id_with_mask
 from verl.workers.rollout.base import BaseRollout
 
-from subjects.verl.recorder import plant as planted_step  # the SFT subject's plant, parsed once
+from subjects.verl.plant import plant as planted_step
 
 NAME = "parity_seeded"
 SEED = 20260
