@@ -333,26 +333,34 @@ def _per_step(
 
 
 def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
-    """One metric as a PNG data URI: A and B overlaid, and |a-b| and ULP per step (log)."""
+    """One metric as a PNG data URI: A and B overlaid, and |a-b| and ULP per step (log); a
+    metric with no difference at any step gets the curves alone, "bitwise equal at every step"
+    in their title (half the axes: the ticks are most of a plot's cost)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     d = _per_step(a, b, m.name, m.ulp_dtype)
+    absd, ulp = d["abs"].where(d["abs"] > 0), d["ulp"].where(d["ulp"] > 0)
+    differs = bool(absd.notna().any() or ulp.notna().any())
     fig = Figure(figsize=(10, 3), dpi=80)  # fixed margins: a layout engine doubles the cost
     FigureCanvasAgg(fig)
-    left, right = fig.subplots(1, 2, sharex=True)
-    fig.subplots_adjust(left=0.09, right=0.92, bottom=0.16, top=0.84, wspace=0.34)
+    if differs:
+        left, right = fig.subplots(1, 2, sharex=True)
+        fig.subplots_adjust(left=0.09, right=0.92, bottom=0.16, top=0.84, wspace=0.34)
+    else:
+        left, right = fig.subplots(), None
+        fig.subplots_adjust(left=0.09, right=0.97, bottom=0.16, top=0.84)
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.plot(d.index, d["a"], "-o", ms=3, label="A")
     left.plot(d.index, d["b"], "--x", ms=4, label="B")
-    left.set_title(printable(m.name), parse_math=False, loc="left", fontsize=10)
+    title = printable(m.name) + ("" if differs else "  (bitwise equal at every step)")
+    left.set_title(title, parse_math=False, loc="left", fontsize=10)
     left.set_xlabel("step")
     left.legend(loc="best", fontsize=8)
-    right.set_title("per-step difference", loc="left", fontsize=10)
-    right.set_xlabel("step")
-    absd, ulp = d["abs"].where(d["abs"] > 0), d["ulp"].where(d["ulp"] > 0)
-    if absd.notna().any() or ulp.notna().any():  # log axes: exact steps (0) are left out
+    if right is not None:  # log axes: exact steps (0) are left out
+        right.set_title("per-step difference", loc="left", fontsize=10)
+        right.set_xlabel("step")
         twin = right.twinx()
         right.plot(d.index, absd, "-o", ms=3, color="C0")
         twin.plot(d.index, ulp, "--s", ms=3, color="C3")
@@ -361,11 +369,8 @@ def _plot(a: pd.DataFrame, b: pd.DataFrame, m: MetricResult) -> str:
         for ax, col in ((right, absd), (twin, ulp)):
             if col.notna().any():
                 ax.set_yscale("log")
-    else:
-        right.text(0.5, 0.5, "bitwise equal at every step", ha="center", transform=right.transAxes)
-        right.set_yticks([])
     if m.first_divergent_step is not None:
-        for ax in (left, right):
+        for ax in (left, right) if right is not None else (left,):
             ax.axvline(m.first_divergent_step, color="red", lw=1, alpha=0.6)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

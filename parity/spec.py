@@ -134,7 +134,7 @@ class JobSpec:
     command: list[str] | None = None  # "custom" only; `{out}` -> the run folder
     world_size: int = 1
     nnodes: int = 1
-    distributed: bool = True  # False: one process without torch.distributed (world_size 1)
+    distributed: bool = True  # False: one plain process; world_size N > 1: the ranks it starts
     steps: int = 20
     seed: int = 0
     timeout_s: float = 600.0
@@ -188,11 +188,6 @@ class JobSpec:
         require_int("seed", self.seed)
         if not isinstance(self.distributed, bool):
             raise SpecError(f"distributed must be true or false, got {self.distributed!r}")
-        if not self.distributed and self.world_size != 1:
-            raise SpecError(
-                f"distributed = false runs one process without a process group: world_size must "
-                f"be 1, got {self.world_size}"
-            )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
             raise SpecError(f"timeout_s must be a number, got {self.timeout_s!r}")
         if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan would never time out
@@ -203,13 +198,10 @@ class JobSpec:
                             f"{self.nnodes}")  # fmt: skip
         object.__setattr__(self, "inject", _str_list("inject", self.inject))
         object.__setattr__(self, "torchrun_args", _str_list("torchrun_args", self.torchrun_args))
-        if not self.distributed and self.torchrun_args:
-            raise SpecError(
-                f"distributed = false runs one plain process, without torchrun: torchrun_args "
-                f"{self.torchrun_args} would not be used"
-            )
         object.__setattr__(self, "env", _env(self.env))
         object.__setattr__(self, "launcher", LauncherSpec.from_value(self.launcher))
+        if not self.distributed:
+            self._check_plain()
         _refuse_nul({n: getattr(self, n) for n in _FIELDS if n not in ("launcher", "options")})
         _refuse_nul(self.options)
         if (self.launcher.nodes or self.nnodes) < self.nnodes:
@@ -249,9 +241,32 @@ class JobSpec:
             return ""
         return str(self.options.get(preset.side_key, ""))
 
+    def _check_plain(self) -> None:
+        """``distributed = false``: one plain process, ``python COMMAND``, on one node; with
+        world_size N > 1 it starts its own N ranks (Ray's workers, processes of its own), which
+        must form one group of N (parity.run.world)."""
+        if self.torchrun_args:
+            raise SpecError(
+                f"distributed = false runs one plain process, without torchrun: torchrun_args "
+                f"{self.torchrun_args} would not be used"
+            )
+        if self.nnodes != 1:
+            raise SpecError(
+                f"distributed = false runs one plain process on one node: nnodes must be 1, "
+                f"got {self.nnodes}"
+            )
+        if self.world_size > 1 and self.launcher.kind == "slurm":
+            raise SpecError(
+                f"distributed = false with world_size {self.world_size} (one plain process that "
+                f"starts its own ranks) runs only with the local launcher: a Slurm step starts "
+                f"torchrun, whose ranks would be counted with the job's own"
+            )
+
     @property
     def nproc_per_node(self) -> int:
-        return self.world_size // self.nnodes
+        """The processes the launcher starts per node: world_size / nnodes, or 1 for a job that
+        is not distributed (its ranks, if any, are its own)."""
+        return self.world_size // self.nnodes if self.distributed else 1
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "spec") -> JobSpec:
@@ -349,8 +364,9 @@ command = ["train.py", "--output_dir", "{out}", "--max_steps", "20"]
                            # the run folder, empty at start
 world_size = 2             # ranks in all (default 1); must form one process group
 nnodes = 1                 # torchrun nodes (all on this machine); world_size / nnodes per node
-distributed = true         # false: one plain process, no torchrun (world_size 1; no torch
-                           # needed)
+distributed = true         # false: one plain process, no torchrun (no torch needed); with
+                           # world_size N > 1 it starts its own N ranks (Ray workers, processes
+                           # given RANK and WORLD_SIZE), which must form one group of N
 steps = 20                 # what progress counts to (presets: the steps they train)
 seed = 0
 timeout_s = 600.0          # per run; the run is killed and reported as failed after it

@@ -87,9 +87,16 @@ def registered() -> dict[str, Task]:
     return out
 
 
+@cache
+def _entry_names() -> frozenset[str]:
+    """The names the installed packages register, read once per process as ``registered`` is
+    (the scan of every distribution's metadata costs about 10 ms a call, and a spec asks often)."""
+    return frozenset(ep.name for ep in entry_points(group=TASK_GROUP))
+
+
 def names() -> tuple[str, ...]:
     """ "custom" and every registered preset (without loading a broken one: listed anyway)."""
-    return (CUSTOM, *sorted({ep.name for ep in entry_points(group=TASK_GROUP)}))
+    return (CUSTOM, *sorted(_entry_names()))
 
 
 def get(name: str) -> Task | None:
@@ -101,7 +108,7 @@ def get(name: str) -> Task | None:
         raise TaskError(f"task must be a string, got {name!r}")
     if ":" in name:
         return _imported(name)
-    if name not in {ep.name for ep in entry_points(group=TASK_GROUP)}:
+    if name not in _entry_names():
         raise TaskError(
             f"task {name[:80]!r} is not known; known: {', '.join(names())} (a package registers "
             f"presets in the {TASK_GROUP} entry points; e.g. pip install -e ./worker for the "

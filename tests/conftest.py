@@ -1,12 +1,55 @@
 """Fixtures the test folders share. Shared job specs are plain data in specs.py (pytest's
-parametrize needs them at import), and the process check the launch tests share in run/procs.py."""
+parametrize needs them at import), and the process check the launch tests share in run/procs.py.
+Without the reference subject installed, its presets are registered for this process only
+(``_register_subject_presets``), and the tests that run its code skip (tests/needs.py)."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import signal
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the harness depends on tomli there
+    import tomli as tomllib
+
+from tests.needs import subject_installed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _register_subject_presets() -> None:
+    """Register the reference subject's entry points (its task presets and mutant catalogue, in
+    worker/pyproject.toml) as its installed package would, when it is not installed: the modules
+    they name (worker/presets.py, worker/mutants.py) import without torch, so the spec and CLI
+    tests can name ``charcount-sft``. A distribution folder on sys.path, for this process only."""
+    if subject_installed():
+        return
+    project = tomllib.loads((ROOT / "worker" / "pyproject.toml").read_text())["project"]
+    groups = {g: eps for g, eps in project["entry-points"].items() if g.startswith("llm_parity.")}
+    home = tempfile.mkdtemp(prefix="parity-test-presets-")
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    info = Path(home) / "llm_parity_test_presets-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: llm-parity-test-presets\nVersion: 0\n"
+    )
+    text = "".join(
+        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items())
+        for group, eps in groups.items()
+    )
+    (info / "entry_points.txt").write_text(text)
+    sys.path.append(home)
+
+
+_register_subject_presets()
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """Job specs shared by the parity tests, so equal specs share one launch (the runner caches)."""
 
 import dataclasses
+from pathlib import Path
 
 from parity.spec import JobSpec, PairSpec
-from worker.data.charcount import FIXTURES
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"  # worker.data.charcount's (torch)
 
 # 2 ranks, 8 samples per rank in micro-batches of 4: 2 micro-batches per rank
 FIXED = JobSpec(

@@ -204,8 +204,9 @@ def launch_spec(
     (parity.outdir). The job runs with the spec's env (then ``env``: PYTHONPATH for a worktree),
     one torchrun per node, on this machine or, with a Slurm launcher (``spec.launcher``), as a
     step of the held allocation (``holding``; parity.run.slurm); where they ran is written as the
-    launch folder's topology.json. A distributed job whose ranks did not form one group of
-    ``spec.world_size``, or one that exited 0 having written nothing at all, is failed.
+    launch folder's topology.json. A job whose ranks did not form one group of
+    ``spec.world_size`` (``expect_world``), or one that exited 0 having written nothing at all,
+    is failed.
     The folder it ran in (and ``origin``: the temporary worktree it was, for check and bisect)
     goes to the launch folder's reproduce.json, for the report's commands to rerun it later.
     """
@@ -229,7 +230,7 @@ def launch_spec(
             on_tick=on_tick,
             finished=lambda: end_record_written(metrics_path(out), since),
             exit_grace_s=exit_grace_s,
-            expect_world=spec.world_size if spec.distributed else None,
+            expect_world=expect_world(spec),
             label=label,
         )
         try:
@@ -248,6 +249,13 @@ def launch_spec(
     if result.ok and not any(out.iterdir()):
         result.set_fault("no-output", no_run_line(out, "nothing"))
     return result
+
+
+def expect_world(spec: JobSpec) -> int | None:
+    """The ranks that must form one group in ``spec``'s launch: its world_size, for a plain job
+    (``distributed = false``) too when it starts ranks of its own (world_size > 1: Ray's workers,
+    say); None for a plain job of one process, which forms no group."""
+    return spec.world_size if spec.distributed or spec.world_size > 1 else None
 
 
 def _watching(progress: Progress, watch: StallWatch) -> Callable[[], None]:

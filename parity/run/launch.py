@@ -212,15 +212,23 @@ def launch_plain(request: LaunchRequest) -> LaunchResult:
     Everything else is ``launch``'s: the same timeout, hang-at-exit grace, signal handling and
     cleanup; launcher.log holds the reproduce line and the exit, and the process's stdout and
     stderr go where torchrun puts rank 0's, so a failure reads the same (rank 0, its exit code
-    or signal, its log tail). Not given RANK, WORLD_SIZE or MASTER_*: a library that sees them
-    would try to form a process group.
+    or signal, its log tail). Not given the RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK,
+    LOCAL_WORLD_SIZE or MASTER_* this process may have inherited (the job's ``env`` may still
+    set them): a library that sees them would try to form a process group, and the start-up
+    hook would record the job as a rank.
+
+    ``expect_world`` N > 1: the job starts its own N ranks (Ray's worker actors, as verl's PPO
+    trainer does; processes of its own given RANK and WORLD_SIZE), which must form one group of
+    N; the start-up hook records them in run_dir/world and the launch is judged as ``launch``'s
+    (parity.run.world). None or 1: the one process forms no group, nothing is judged.
     """
-    if request.nproc != 1 or request.torchrun_args or request.expect_world not in (None, 1):
-        raise ValueError("launch_plain runs one process: nproc 1, no torchrun_args, no world")
+    if request.nproc != 1 or request.torchrun_args:
+        raise ValueError("launch_plain runs one process: nproc 1, no torchrun_args")
     run_dir = Path(request.run_dir).absolute()
     rank_dir = run_dir / PLAIN_LOGS
     rank_dir.mkdir(parents=True, exist_ok=True)
     cmd = plain_command(request.module_or_script_args)
+    world_dir = run_dir / "world"
     launcher_log = run_dir / "launcher.log"
     with (
         open(launcher_log, "w") as log,
@@ -229,16 +237,24 @@ def launch_plain(request: LaunchRequest) -> LaunchResult:
     ):
         log.write(f"# {reproduce_line(cmd, request.env)}\n")
         log.flush()
-        env = _launch_env(run_dir / "world", request.env, plain=True)
+        env = _launch_env(world_dir, request.env, plain=True)
         ended = _supervise(cmd, env, request, stdout=out, stderr=err)
         how = " (timed out)" if ended.timed_out else " (stalled)" if ended.stalled else ""
         log.write(f"# exited: {ended.returncode}{how}\n")
-    result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, run_dir / "world")
+    result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, world_dir)
     result.started_as = "job (one process, no torchrun)"
+    if request.expect_world is not None and request.expect_world > 1:
+        result.set_fault("world", world.judge(world_dir, request.expect_world))
     code = result.returncode
     if not result.ok and not result.timed_out and not result.stalled and code:
         result.failures = [RankFailure(0, code, signal_name(code), result.tail(0), 0)]
     return result
+
+
+#: what a launcher gives a rank; inherited by the harness (run inside a launch), not a plain
+#: job's: the job would read them, and the start-up hook would take it for a rank
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 
 
 def _launch_env(
@@ -246,8 +262,13 @@ def _launch_env(
 ) -> dict[str, str]:
     """This process's environment with the job's ``env`` on top, as ``job_env`` gives it, under
     a fresh launch id; its ranks (``plain``: its one process) dump their stacks on the harness's
-    signal into the stacks folder beside ``world_dir`` (parity.run.stacks)."""
-    full_env = job_env(world_dir, {**os.environ, **(env or {})}, uuid.uuid4().hex)
+    signal into the stacks folder beside ``world_dir`` (parity.run.stacks). ``plain``: without
+    the rank variables this process inherited (``launch_plain``)."""
+    inherited = dict(os.environ)
+    if plain:
+        for name in _RANK_ENV:
+            inherited.pop(name, None)
+    full_env = job_env(world_dir, {**inherited, **(env or {})}, uuid.uuid4().hex)
     return {**full_env, **stacks.stacks_env(world_dir.parent / "stacks", plain)}
 
 

@@ -1,12 +1,15 @@
 """The world a job really ran in: which process group each rank joined (the running layer).
 
-Every launch puts ``parity/run/sitehook`` first on its ranks' PYTHONPATH; its sitecustomize writes
-one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder) when the
-process starts, each time ``init_process_group`` returns, and while it runs with how many
-collectives its groups carried. ``judge`` reads them after the launch: a side whose ranks did not
-form one group of the requested size, where two processes claim one rank, or whose groups carried
-nothing (or left no count to show they carried anything) did not run the job that was asked for,
-whatever its metrics say, and is failed.
+Every launch puts ``parity/run/sitehook`` first on its processes' PYTHONPATH; its sitecustomize
+writes one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder):
+torchrun's ranks (LOCAL_RANK set), and the ranks a plain job (``distributed = false``) starts
+itself, which a launcher gave RANK and WORLD_SIZE before their interpreter started (Ray's worker
+actors in verl's PPO trainer; a script's own subprocesses), never the plain job itself. It
+writes when the process starts, each time ``init_process_group`` returns, and while it runs
+with how many collectives its groups carried. ``judge`` reads them after the launch: a side
+whose ranks did not form one group of the requested size, where two processes claim one rank,
+or whose groups carried nothing (or left no count to show they carried anything) did not run
+the job that was asked for, whatever its metrics say, and is failed.
 
 Why not trust the manifest: a job writes what it believes; an accelerate script that never
 initialised its process group believes it is rank 0 of a world of one, in every process.
@@ -32,7 +35,8 @@ _HINT = (
 
 @dataclass
 class RankRecord:
-    """One rank process: torchrun's env for it, and every group it joined (usually one)."""
+    """One rank process: its launcher's variables for it (RANK, LOCAL_RANK, WORLD_SIZE,
+    GROUP_RANK), and every group it joined (usually one)."""
 
     host: str
     pid: int

@@ -3,7 +3,10 @@
     python -m subjects.verl.run_ppo --workers legacy|engine --out DIR [--steps 2] [-- OVERRIDES]
 
 One plain process (``main_ppo`` starts Ray itself: a local cluster, the TaskRunner actor, one
-worker actor per rank holding actor, rollout and critic, the reward workers). Its inputs come
+worker actor per rank holding actor, rollout and critic, the reward workers). Run by parity
+(``ppo_pair.toml``: ``distributed = false``, ``world_size = 2``), the harness's start-up hook
+reaches Ray's processes through the inherited PYTHONPATH, and the 2 worker actors (verl gives
+each RANK and WORLD_SIZE) must form one process group of 2. Its inputs come
 from ``subjects.verl.prepare_rl`` (the charcount prompts as verl's RL parquet, the tiny Qwen2
 actor, a critic with a seeded value head); the CPU patches from ``subjects.verl.rl_shim``, loaded
 only through ``VERL_USE_EXTERNAL_MODULES``; the rollout from ``subjects.verl.rl_rollout`` (seeded
@@ -253,8 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         python = rl_env()
     else:
         python = args.python
+    # REPO before the inherited path, never in its place: a launcher's start-up hook comes on
+    # PYTHONPATH (parity's records the process group Ray's workers form, which the harness
+    # checks), and a wrapper that replaces PYTHONPATH drops it
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     variables = {
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": os.pathsep.join([str(REPO), *inherited]),
         "VERL_USE_EXTERNAL_MODULES": SHIM,
         "VERL_FILE_LOGGER_PATH": str(out / FILE_LOGGER),
         "HYDRA_FULL_ERROR": "1",

@@ -286,6 +286,7 @@ def test_the_pytest_recipe_a_golden_made_at_the_base(repo: Path, shell_env: dict
     """docs/ci.md's pytest way: at the base, `pytest -m parity --parity-update-golden` writes the
     golden (committed) and checks the run against it; after a change `pytest -m parity` fails,
     naming the golden and the metric. (Two sessions: each job imports torch for the recorder.)"""
+    pytest.importorskip("torch")
     git(repo, "checkout", "-q", "main")
     (repo / "job.py").write_text(RECORDED_JOB.format(factor="1.0"))
     (repo / "tests").mkdir()

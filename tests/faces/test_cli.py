@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from parity.cli import main
+from tests.needs import subject
 
 
 def _write(path, rows):
@@ -128,12 +129,14 @@ def _refusal_tail(tmp_path, capsys, *flags):
     return capsys.readouterr().err
 
 
+@subject
 def test_jobs_take_no_abbreviated_flags(tmp_path, capsys):
     """--val-sample is not --val-samples: a job must run exactly the flags its spec names."""
     tail = _refusal_tail(tmp_path, capsys, "--val-sample", "3")
     assert tail.rstrip().endswith("error: unrecognized arguments: --val-sample 3")
 
 
+@subject
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_job_that_refuses_its_arguments_is_bad_input(tmp_path, capsys, monkeypatch, as_json):
     """A misspelled override reaches the job as a flag it does not know: exit 2 and one line

@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from parity.cli import main
 from parity.judge.compare import compare_frames
@@ -24,8 +23,8 @@ from parity.judge.diagnose import (
     read_rank_data,
 )
 from parity.readers import read_metrics
-from parity.record.digest import DataDigest, parse_steps, tensor_hash
 from parity.report import build_report
+from tests.needs import subject
 from tests.specs import EPOCHS, FINGERPRINTED, FIXED, PPO_SHORT, legacy_vs_worker, plain
 
 TENSORS = [
@@ -291,6 +290,7 @@ def test_report_and_cli_show_the_diagnosis_escaped(tmp_path, capsys):
 
 def _traced(run: Path, scale: float = 1.0) -> Path:
     """Trace one toy step into run/ops/ (rank 0): a linear, scaled by `scale`."""
+    torch = pytest.importorskip("torch")
     from parity.record import trace_ops
 
     torch.manual_seed(0)
@@ -339,6 +339,7 @@ class _NotAllowed:
 
 @pytest.mark.parametrize("damage", ["truncated", "refused by weights_only", "not a dict"])
 def test_a_damaged_values_file_leaves_the_op_named_without_its_ulp(tmp_path, damage):
+    torch = pytest.importorskip("torch")
     a = _traced(make_run(tmp_path / "a"))
     b = _traced(make_run(tmp_path / "b", loss_from=2), scale=1.5)
     values = a / "ops" / "rank0.pt"
@@ -403,7 +404,9 @@ def test_names_from_files_are_printable_in_the_diagnosis(tmp_path):
     assert not any("\n" in line or "\x1b" in line for line in lines)
 
 
+@subject
 def test_job_log_writes_rank_records_and_resumes_in_place(tmp_path):
+    from parity.record.digest import DataDigest
     from worker.metrics_log import JobLog
 
     engine = SimpleNamespace(data_digest=DataDigest(), fingerprint_steps=[2], fingerprints={})
@@ -421,9 +424,11 @@ def test_job_log_writes_rank_records_and_resumes_in_place(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count('"step"') == 1
 
 
+@subject
 def test_ppo_job_log_merges_its_engines(tmp_path):
     """PPO: actor and critic share one digest (taken once a step) and their fingerprints are
     written as one record, each tensor under its engine's prefix."""
+    from parity.record.digest import DataDigest
     from worker.metrics_log import JobLog
 
     digest = DataDigest()
@@ -445,6 +450,9 @@ def test_ppo_job_log_merges_its_engines(tmp_path):
 
 
 def test_digests_and_step_lists():
+    torch = pytest.importorskip("torch")
+    from parity.record.digest import DataDigest, parse_steps, tensor_hash
+
     ids = torch.arange(6)[None]
     mb = SimpleNamespace(
         input_ids=ids,
@@ -567,6 +575,7 @@ def test_hints_for_what_a_side_did_not_record_name_the_recorder_s_own_arguments(
     the parameters record_run and trace_ops really take, not by a job's command-line flag."""
     import inspect
 
+    pytest.importorskip("torch")  # parity.record's
     from parity.judge.opdiff import compare_ops
     from parity.record import record_run, trace_ops
 

@@ -17,6 +17,7 @@ from parity.judge.golden import (
     save_golden,
     verify_golden,
 )
+from tests.needs import subject
 from tests.specs import FIXED, PPO
 
 ENV = {
@@ -130,6 +131,7 @@ processor\t: 1
 """
 
 
+@subject
 def test_cpu_facts_are_read_from_the_first_processor_on_x86_and_arm():
     """What the fingerprint's CPU keys are made of (worker.metrics_log.cpu_facts)."""
     from worker.metrics_log import cpu_facts

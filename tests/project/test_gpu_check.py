@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import subject
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ci" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "ci"))
@@ -134,6 +136,7 @@ def test_refuses_a_folder_it_did_not_make(tmp_path):
     assert _run(tmp_path / "new", "--only", "nothing").returncode == 2
 
 
+@subject
 def test_set_determinism_records_every_setting():
     code = (
         "import json; from worker.determinism import set_determinism; "
@@ -152,6 +155,7 @@ def test_set_determinism_records_every_setting():
         assert det["fp32_precision"]["cuda.matmul"] == "ieee"
 
 
+@subject
 def test_autocast_and_backend_come_from_the_environment(monkeypatch):
     import torch
 

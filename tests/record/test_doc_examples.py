@@ -81,8 +81,7 @@ def test_function_example_is_aligned_with_itself(parity_runner, tmp_path_factory
 
 def test_a_rank_that_records_batches_but_logs_no_step_says_so(tmp_path, capsys) -> None:
     """The trap of logging on rank 0 alone: rank 1's digests are written only by rec.log."""
-    import torch
-
+    torch = pytest.importorskip("torch")
     from parity.record import Recorder
 
     quiet, silent = Recorder(tmp_path, rank=1), Recorder(tmp_path / "b", rank=1)

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from parity.judge.diagnose import diagnose, read_rank_data
-from parity.record.tracking import RecordingLogger, StepMerger, numbers
 from parity.spec import JobSpec, PairSpec
+
+pytest.importorskip("torch")  # the loggers are the recorder's
+from parity.record.tracking import RecordingLogger, StepMerger, numbers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "tests" / "jobs"

@@ -21,18 +21,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from parity.cli import main
 from parity.judge.compare import compare_frames
 from parity.judge.diagnose import diagnose, rank_agreement, read_fingerprints, read_rank_data
 from parity.judge.golden import FINGERPRINT_KEYS, MATCH, fingerprint, save_golden, verify_golden
 from parity.readers import read_metrics
-from parity.record import Recorder, record_run
 from parity.run.job import run_job
 from parity.run.launch import LaunchError
 from parity.spec import JobSpec
 from tests.jobs import hf_callback_run
+
+torch = pytest.importorskip("torch")  # the recorder records torch tensors
+from parity.record import Recorder, record_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = ROOT / "tests" / "jobs" / "foreign_loop.py"

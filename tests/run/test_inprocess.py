@@ -15,8 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from parity import assert_parity
 from parity.files import launch_dir
@@ -29,46 +27,49 @@ from parity.run.inprocess import (
     refusal,
 )
 from parity.spec import JobSpec, PairSpec, SpecError
+from tests.needs import subject
 from tests.specs import LAUNCH_MODES
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parity
-def test_in_process_pair_is_bitwise_two_launches(parity_runner):
-    pair = PairSpec.from_variants(LAUNCH_MODES, "legacy", "worker")
-    together = parity_runner.pair_in_process(pair)
-    spec_a, spec_b = pair.sides()
-    alone = [parity_runner.job(spec_a, separate=True), parity_runner.job(spec_b, separate=True)]
-    for run, other in zip((together.a, together.b), alone, strict=True):
-        assert run.in_process and not other.in_process
-        comparison = assert_parity(run, other)  # every metric exact; mfu (a timing) ignored
-        assert comparison.metrics["train/loss"].steps_compared == LAUNCH_MODES.steps
-        val = comparison.metrics["val/loss"]
-        assert val.status == "match" and val.steps_compared == 3  # before, between, after
-        wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (run, other))
-        assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
-        for name in ("metrics.jsonl", "console.log", "manifest.json", "timing.json"):
-            assert (run.dir / name).is_file(), name
-        first = (launch_dir(run.dir) / "launcher.log").read_text().splitlines()[0]
-        assert first.startswith("# ") and f"--out {run.dir}" in first  # reproduces the side
-    assert_parity(together.a, together.b)  # and the pair itself is aligned
+def _same_weights(run, other) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (run, other))
+    return wa.keys() == wb.keys() and all(
+        torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa
+    )
 
 
 @pytest.mark.parity
-def test_each_side_gets_its_own_mutants(parity_runner):
-    """lr-before-step on side B only: B matches the mutant job run on its own, and side A (run
-    first, in the same processes) a clean launch. B's peer may be a warm pool's job, which
-    test_pool.py shows to be bitwise a launch of its own."""
+def test_each_side_is_bitwise_its_own_launch_with_its_own_mutants(parity_runner):
+    """lr-before-step on side B only. Side A, run first in the same processes, is bitwise a
+    clean launch of its own (every metric, the val loss at each evaluation, the final weights);
+    B matches the mutant job run on its own (its peer may be a warm pool's job, which
+    test_pool.py shows to be bitwise a launch of its own). Each side's folder holds what a launch
+    writes, and its launcher.log's first line reproduces that side alone. (Every preset with
+    every mutant: test_fastpaths.py.)"""
     broken = {"trainer": "worker", "inject": ["lr-before-step"]}
     pair = PairSpec(LAUNCH_MODES, {"trainer": "legacy"}, broken)
     together = parity_runner.pair_in_process(pair)
     spec_a, spec_b = pair.sides()
-    legacy = parity_runner.job(spec_a, separate=True)
-    assert_parity(together.a, legacy)
-    assert_parity(together.b, parity_runner.job(spec_b))
+    alone = [parity_runner.job(spec_a, separate=True), parity_runner.job(spec_b)]
+    for run, other in zip((together.a, together.b), alone, strict=True):
+        assert run.in_process
+        comparison = assert_parity(run, other)  # every metric exact; mfu (a timing) ignored
+        assert comparison.metrics["train/loss"].steps_compared == LAUNCH_MODES.steps
+        val = comparison.metrics["val/loss"]
+        assert val.status == "match" and val.steps_compared == 3  # before, between, after
+        assert _same_weights(run, other)
+        for name in ("metrics.jsonl", "console.log", "manifest.json", "timing.json"):
+            assert (run.dir / name).is_file(), name
+        first = (launch_dir(run.dir) / "launcher.log").read_text().splitlines()[0]
+        assert first.startswith("# ") and f"--out {run.dir}" in first  # reproduces the side
+    assert not alone[0].in_process
     lr = together.b.metrics["train/lr"]
-    assert lr[1] != legacy.metrics["train/lr"][1]
+    assert lr[1] != alone[0].metrics["train/lr"][1]
 
 
 # --- without launching --------------------------------------------------------------------------
@@ -89,6 +90,7 @@ def test_refusals_are_one_line():
     assert reason and "same preload" in reason
 
 
+@subject  # the command's own process knows the subject's presets only when it is installed
 def test_refusal_is_exit_2_before_any_launch(tmp_path):
     spec = tmp_path / "pair.toml"
     spec.write_text(

@@ -32,9 +32,17 @@ def _run(tmp_path: Path, mode: str, **kwargs) -> LaunchResult:
     return result
 
 
-def test_a_plain_job_runs_as_one_process_without_rank_variables(tmp_path: Path) -> None:
+def test_a_plain_job_runs_as_one_process_without_rank_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not even those the harness inherited (it runs inside a launch): the job would read them,
+    and the start-up hook would record it as a rank of the world it is judged by."""
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29999")):  # fmt: skip
+        monkeypatch.setenv(name, value)
     result = _run(tmp_path, "ok")
     assert result.ok, result.describe()
+    assert list((tmp_path / "launch" / "world").glob("*.json")) == []
     assert "succeeded" in result.describe() and "no torchrun" in result.describe()
     assert json.loads((tmp_path / "out" / "env.json").read_text()) == dict.fromkeys(
         ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -99,10 +107,17 @@ def test_ctrl_c_kills_the_plain_job(tmp_path: Path, interruptible) -> None:
 
 
 def test_launch_plain_refuses_ranks_and_torchrun_flags(tmp_path: Path) -> None:
-    for bad in ({"nproc": 2}, {"nproc": 1, "torchrun_args": ["--standalone"]},
-                {"nproc": 1, "expect_world": 2}):  # fmt: skip
+    for bad in ({"nproc": 2}, {"nproc": 1, "torchrun_args": ["--standalone"]}):
         with pytest.raises(ValueError, match="one process"):
             launch_plain(LaunchRequest([str(PLAIN)], run_dir=tmp_path, **bad))
+
+
+def test_a_plain_job_expected_to_start_ranks_that_started_none_is_failed(tmp_path: Path) -> None:
+    """expect_world 2 (``world_size = 2``): the world its ranks formed is judged, as under
+    torchrun; a job that started none fails with the judge's line, never as a crash."""
+    result = _run(tmp_path, "ok", expect_world=2)
+    assert not result.ok and result.reason == "world" and result.failures == []
+    assert result.fault.startswith("no rank recorded the world it joined (expected 2)")
 
 
 def test_a_spec_that_is_not_distributed_gets_the_plain_launcher_here() -> None:

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from parity import assert_parity
 from parity.files import launch_dir
@@ -51,6 +49,9 @@ def test_pool_jobs_are_bitwise_separate_launches(parity_runner, tmp_path):
     alone = parity_runner.job(LAUNCH_MODES, separate=True)
     assert clean.in_process and not alone.in_process
     assert_parity(clean, alone)
+    import torch
+    from safetensors.torch import load_file
+
     wa, wb = (load_file(str(r.dir / "final.safetensors")) for r in (clean, alone))
     assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
     assert_parity(legacy, clean)

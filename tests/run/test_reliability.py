@@ -30,6 +30,7 @@ from parity.run.launch import (
     survivors,
 )
 from parity.spec import JobSpec
+from tests.needs import subject
 from tests.run.procs import ctrl_c_once_ready, procs_mentioning
 
 DUMMY = Path(__file__).resolve().parents[1] / "jobs" / "dummy_job.py"
@@ -285,6 +286,7 @@ def test_val_set_smaller_than_the_world_is_a_one_line_error(tmp_path: Path) -> N
     assert "val.jsonl: 1 val samples for 2 ranks (--val-samples 1)" in last
 
 
+@subject
 def test_negative_val_samples_is_refused(tmp_path: Path) -> None:
     from worker.trainers.sft_common import parse_config
 
@@ -292,6 +294,7 @@ def test_negative_val_samples_is_refused(tmp_path: Path) -> None:
         parse_config(["--out", str(tmp_path), "--val-samples", "-1"])
 
 
+@subject
 def test_legacy_val_formula_refuses_a_val_set_smaller_than_a_batch(tmp_path: Path) -> None:
     """The old formula drops the last partial batch (drop_last): with none left it was NaN."""
     from worker.trainers.legacy_sft import LegacySFTTrainer

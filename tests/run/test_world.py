@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from parity.files import launch_dir
 from parity.pair import run_pair
+from parity.run.job import expect_world, run_job
 from parity.run.launch import LaunchError, LaunchRequest, launch
-from parity.run.world import HOOK_DIR, WORLD_DIR_ENV, judge
+from parity.run.world import HOOK_DIR, WORLD_DIR_ENV, judge, read_records
 from parity.spec import JobSpec, PairSpec, SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE_LOOP = str(ROOT / "tests" / "jobs" / "accelerate_loop.py")
+PLAIN_RANKS = str(ROOT / "tests" / "jobs" / "plain_ranks.py")
 
 
 def _records(folder: Path, *groups: dict | None) -> Path:
@@ -108,6 +111,7 @@ def _joined(tmp_path: Path) -> list[list[dict]]:
 def test_the_hook_records_the_group_and_its_collectives(tmp_path: Path) -> None:
     """Every group of more than one rank counts (new_group's too), and a rank that ends with
     os._exit, skipping its exit handlers, still leaves its count."""
+    pytest.importorskip("torch")  # its ranks form a gloo group
     code = (
         "import os, torch, torch.distributed as dist\n"
         "from torch.distributed import init_process_group\n"  # a name bound before the call
@@ -127,6 +131,7 @@ def test_the_hook_records_the_group_and_its_collectives(tmp_path: Path) -> None:
 def test_the_count_is_written_while_the_job_runs(tmp_path: Path) -> None:
     """The count is on file before the ranks end: ranks SIGKILLed after their collective (no
     exit handler, no os._exit) still read as a used group."""
+    pytest.importorskip("torch")  # its ranks form a gloo group
     code = (
         "import os, time, torch, torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method=STORE, rank=int(os.environ['RANK']), "
@@ -164,10 +169,87 @@ def test_a_child_of_a_rank_is_not_a_rank(tmp_path: Path) -> None:
     _python_with_hook(tmp_path, code)  # exactly one record, checked there
 
 
-def test_distributed_false_means_one_process() -> None:
-    JobSpec(task="custom", command=["t.py"], distributed=False)
-    with pytest.raises(SpecError, match="distributed = false runs one process.*world_size must"):
-        JobSpec(task="custom", command=["t.py"], distributed=False, world_size=2)
+def _hooked(tmp_path: Path, env: dict[str, str]) -> list[dict]:
+    """The records a bare Python process with ``env`` (on top of the launch's variables) left."""
+    world = tmp_path / "world"
+    world.mkdir(parents=True)
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    full = {**base, WORLD_DIR_ENV: str(world), "PYTHONPATH": str(HOOK_DIR), **env}
+    subprocess.run([sys.executable, "-c", "pass"], env=full, check=True, timeout=60)
+    return [json.loads(p.read_text()) for p in world.glob("*.json")]
+
+
+def test_rank_and_world_size_set_before_start_make_a_rank_below_the_launch(
+    tmp_path: Path,
+) -> None:
+    """What a Ray worker group's actor looks like (RANK and WORLD_SIZE from its runtime_env, no
+    LOCAL_RANK, started below the plain job): a rank. The launch's first process (no launcher
+    pid yet) with the same variables is not, nor is a process without WORLD_SIZE."""
+    below = {"PARITY_LAUNCHER_PID": "1"}
+    (record,) = _hooked(tmp_path / "ray", {**below, "RANK": "1", "WORLD_SIZE": "2"})
+    assert record["env"] == {"RANK": "1", "LOCAL_RANK": None, "WORLD_SIZE": "2", "GROUP_RANK": None}
+    assert _hooked(tmp_path / "first", {"RANK": "1", "WORLD_SIZE": "2"}) == []
+    assert _hooked(tmp_path / "no-size", {**below, "RANK": "1"}) == []
+
+
+def test_distributed_false_is_one_plain_process_of_its_own_ranks() -> None:
+    """world_size N > 1 with distributed = false: one process that starts N ranks itself; the
+    launcher starts one process per node, one node, and never through Slurm's torchrun."""
+    spec = JobSpec(task="custom", command=["t.py"], distributed=False, world_size=2)
+    assert (spec.world_size, spec.nproc_per_node, expect_world(spec)) == (2, 1, 2)
+    assert expect_world(JobSpec(task="custom", command=["t.py"], distributed=False)) is None
+    with pytest.raises(SpecError, match="distributed = false runs one plain process on one node"):
+        JobSpec(task="custom", command=["t.py"], distributed=False, world_size=2, nnodes=2)
+    with pytest.raises(SpecError, match="world_size 2 .* runs only with the local launcher"):
+        JobSpec(command=["t.py"], distributed=False, world_size=2, launcher="slurm")
+
+
+# --- a plain job's own ranks (distributed = false, world_size 2) -----------------------------
+
+
+def _plain_ranks(*flags: str) -> JobSpec:
+    command = [PLAIN_RANKS, "--out", "{out}", *flags]
+    return JobSpec(command=command, distributed=False, world_size=2, timeout_s=120)
+
+
+@pytest.mark.parity
+def test_the_ranks_a_plain_job_starts_are_its_world(tmp_path: Path) -> None:
+    """Two processes the job starts with RANK and WORLD_SIZE (as Ray starts verl's workers):
+    recorded, one group of 2, used; the plain process itself is no rank."""
+    run = run_job(_plain_ranks(), tmp_path / "run")
+    assert run.launch.ok, run.launch.describe()
+    records = read_records(launch_dir(tmp_path / "run") / "world")
+    assert sorted(r.group["rank"] for r in records) == [0, 1]
+    assert {(r.group["world_size"], r.group["collectives"] > 0) for r in records} == {(2, True)}
+    assert {r.env["LOCAL_RANK"] for r in records} == {None}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "flag, fault",
+    [
+        ("--broken", "2 processes joined process groups of size 1, not one group of 2 "
+                     "(rank 0 claimed by 2 processes)"),
+        ("--replace-pythonpath", "no rank recorded the world it joined (expected 2)"),
+    ],
+)  # fmt: skip
+def test_a_plain_job_whose_ranks_formed_no_group_of_2_is_failed(
+    tmp_path: Path, flag: str, fault: str
+) -> None:
+    """Ranks given a world of one each, or started with PYTHONPATH replaced (the hook gone):
+    the pair fails at side a with the judge's line, exit 3, its metrics never compared."""
+    spec = tmp_path / "pair.toml"
+    command = json.dumps([PLAIN_RANKS, "--out", "{out}", flag])
+    spec.write_text(
+        f'task = "custom"\ndistributed = false\nworld_size = 2\ntimeout_s = 120\n'
+        f"command = {command}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "pair", "--spec", str(spec), "--out",
+         str(tmp_path / "pair")], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert f"parity: run failed: side a: {fault}" in done.stderr, done.stderr[-3000:]
 
 
 # --- with torchrun ---------------------------------------------------------------------------

@@ -205,6 +205,7 @@ def test_bf16_autocast_explains_trl_gap():
     """TRL's 4x1 vs 2x2 gap, reproduced without TRL or Trainer: under CPU bf16 autocast (TRL's
     default) a weight gradient is rounded to bf16 per micro-batch before GA sums it, so the
     same rows give gradients ~1e-3 apart; in float32 ~1e-7."""
+    pytest.importorskip("torch")
     from subjects.hf import repro_bf16_ga
 
     linear32, linear16 = repro_bf16_ga.linear_gap(False), repro_bf16_ga.linear_gap(True)

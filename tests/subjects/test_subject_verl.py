@@ -356,6 +356,7 @@ def test_val_loss_orders_explain_the_host_difference():
     logged: with the AVX-512 kernels' losses both 4.684879302978516; with the AVX2 kernels'
     (rank 1's third loss 1 ULP lower) 0.6.1 the same and 0.7.0 4.684878826141357, the numbers
     of the AVX2-only CI host, 1 ULP apart, the float64 mean between them."""
+    pytest.importorskip("torch")
     from subjects.verl import val_order
 
     same, low = 4.684879302978516, 4.684878826141357
@@ -369,8 +370,7 @@ def test_cpu_flash_attention_differs_between_avx2_and_avx512():
     """The op the host decides: the same SDPA inputs give other last bits with ATen's AVX2
     kernels than with its AVX512 ones (each in a fresh process, ATEN_CPU_CAPABILITY capping
     it); a float32 rounding's worth, no more."""
-    import torch
-
+    torch = pytest.importorskip("torch")
     from subjects.verl import val_order
 
     if torch.backends.cpu.get_cpu_capability() != "AVX512":

@@ -10,14 +10,18 @@ policies, the prediction written from both code paths before the first run:
 
 - every metric both sides log is bitwise equal at both steps (samples, rewards, lengths, learning
   rates, clip fractions, entropy, the critic's values, returns, advantages, losses, grad norm),
-  but ``actor/grad_norm`` at step 1: 1 float32 ULP, the one miss of the prediction. The
+  but ``actor/grad_norm`` at step 1 on a host with AVX-512: 1 float32 ULP, the one miss of the
+  prediction (bitwise with ATen's AVX2 kernels, on a host without AVX-512). The
   gradients are bitwise equal (``--dump`` saves them); the norm's per-rank partial sums are not:
   the legacy workers shard each parameter on its first dimension divisible by the world size
   (``get_shard_placement_fn``), the engine on dimension 0, and the tied 101-row embedding
   splits by columns on one side, 51/50 rows on the other;
 - each side names metrics the other does not (legacy ``actor/kl_loss``; engine ``actor/loss``,
   ``critic/loss``);
-- Ray's processes end with each side: none of the environment's processes is left afterwards.
+- Ray's processes end with each side: none of the environment's processes is left afterwards;
+- each side's 2 Ray worker actors formed one process group of 2 and used it (the harness's
+  world records, ``world_size = 2`` in the spec); 2 Ray actors each given a world of one (a small
+  Ray job, not verl) are failed with the judge's line.
 
 Without a run (``subjects.verl.rl_probe``, verl's own functions): with
 ``use_remove_padding=False`` the engine actor's attention mask has ``response_length`` ones per
@@ -46,12 +50,18 @@ from pathlib import Path
 
 import pytest
 
+from parity.files import launch_dir
 from parity.readers import read_metrics
+from parity.run.job import run_job
+from parity.run.launch import LaunchError
+from parity.run.world import read_records
+from parity.spec import JobSpec
 from subjects import envs
 from subjects import verl as subject
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "subjects" / "verl" / "ppo_pair.toml"
+RAY_WORLD = REPO / "tests" / "jobs" / "ray_world.py"
 SHIM = "subjects.verl.rl_shim"
 # bitwise equal at every step: the samples, the reward, the schedules, and the forward passes
 SAME_SAMPLES = (
@@ -155,21 +165,35 @@ def test_forward_and_critic_bitwise(pair):
         assert m["policy"] == "exact" and m["exact_matches"] == 2, (name, m)
 
 
+#: actor/grad_norm's ULPs at steps 1 and 2 by the ATen kernels the ranks run
+#: (torch.backends.cpu.get_cpu_capability()), as measured: 1 at step 1 with AVX512 (an AMD EPYC
+#: host with AVX-512, 2026-12-06), bitwise with AVX2 (an AMD EPYC host without AVX-512, the
+#: same day). Elsewhere the spec's ulp:1 alone is held.
+GRAD_NORM_ULPS = {"AVX512": [1, 0], "AVX2": [0, 0]}
+
+
 @pytest.mark.parity
-def test_actor_grad_norm_one_ulp_from_sharding(pair):
-    """The one metric off by a ULP, at step 1, and why: the same gradients, sharded differently
-    for the norm's per-rank partial sums (the dumps of the first clip call of the actor)."""
+def test_actor_grad_norm_within_one_ulp_from_sharding(pair):
+    """The one metric the prediction missed, and why: the same gradients, sharded differently
+    for the norm's per-rank partial sums (the dumps of the first clip call of the actor). Whether
+    those sums round alike depends on the kernels' vector width: 1 ULP apart at step 1 with
+    ATen's AVX512 kernels, bitwise with its AVX2 ones (GRAD_NORM_ULPS)."""
     import torch
 
     m = pair["summary"]["metrics"]["actor/grad_norm"]
     assert m["policy"] == "ulp:1" and m["status"] == "match", m
-    assert m["exact_matches"] == 1 and m["max_ulp"] == 1 and m["max_ulp_step"] == 1, m
     a, b = (torch.load(pair["out"] / side / "dump" / "grads2.pt", weights_only=True)
             for side in "ab")  # fmt: skip
     assert len(a["grads"]) == len(b["grads"])
     assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"], strict=True))
     assert a["shards"] != b["shards"]  # the 101-row embedding: by columns on a, by rows on b
-    assert not torch.equal(a["norm"], b["norm"])
+    ulps = GRAD_NORM_ULPS.get(torch.backends.cpu.get_cpu_capability())
+    if ulps is None:
+        return
+    assert m["exact_matches"] == ulps.count(0) and (m["max_ulp"] or 0) == max(ulps), m
+    if max(ulps):
+        assert m["max_ulp_step"] == ulps.index(max(ulps)) + 1, m
+    assert torch.equal(a["norm"], b["norm"]) == (ulps[0] == 0)
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +312,37 @@ def test_ray_stopped_with_each_side(pair):
         assert run["exit_code"] == 0, side
         assert run["left_running"] == [], (side, run["left_running"])
     assert pair["left"] == []
+
+
+@pytest.mark.parity
+def test_each_side_s_ray_workers_formed_one_group_of_2(pair):
+    """The world main_ppo's Ray worker actors formed, as the harness recorded it (the spec's
+    world_size = 2): 2 rank processes, ranks 0 and 1 as verl numbered them, one gloo group of 2
+    through which each sent collectives."""
+    for side in "ab":
+        records = read_records(launch_dir(pair["out"] / side) / "world")
+        assert len(records) == 2, (side, records)
+        assert {int(r.env["RANK"]): r.group["rank"] for r in records} == {0: 0, 1: 1}, side
+        assert {r.group["world_size"] for r in records} == {2}, (side, records)
+        assert all(r.group["collectives"] > 0 for r in records), (side, records)
+
+
+@pytest.mark.parity
+def test_ray_actors_of_a_world_of_one_each_are_failed(tmp_path):
+    """Under real Ray: 2 actors each given a world of one in their runtime_env (as a worker
+    group that lost its ranks' variables would be) form two groups of one; the plain job of
+    world_size 2 is failed with the judge's line, and no Ray process is left."""
+    python = _env_python()
+    assert not _left(python), "an earlier run of this environment is still running"
+    command = [str(RAY_WORLD), "--out", "{out}", "--python", str(python), "--broken"]
+    spec = JobSpec(command=command, distributed=False, world_size=2, timeout_s=300)
+    with pytest.raises(LaunchError) as info:
+        run_job(spec, tmp_path / "run")
+    assert info.value.result.fault == (
+        "2 processes joined process groups of size 1, not one group of 2 (rank 0 claimed by 2 "
+        "processes)"
+    )
+    assert _left(python) == []
 
 
 @pytest.mark.parity

@@ -3,8 +3,7 @@ launch's PYTHONPATH); it records which process group each rank really joined.
 
 Why: a job launched as 2 ranks can train as 2 lone processes (a script that never calls
 init_process_group; an accelerate script on CPU without its switch, whose group carries
-nothing), and a bug that only shows at 2 ranks passes unseen. Each rank torchrun started
-(LOCAL_RANK set) writes
+nothing), and a bug that only shows at 2 ranks passes unseen. Each rank writes
 ``$PARITY_WORLD_DIR/<host>-<pid>.json`` at start, again each time ``init_process_group``
 returns (the group's backend, world size and this process's rank), and, while it runs, how many
 collectives went through its groups (every group of more than one rank it is in, ``new_group``'s
@@ -18,8 +17,18 @@ records after the launch. The user's code is not touched: ``init_process_group``
 and a process that never imports torch pays nothing but this file. A sitecustomize this one
 shadows is loaded after it.
 
-A rank whose parent is the launch's torchrun also asks the kernel to SIGKILL it when that
-torchrun dies (PR_SET_PDEATHSIG), so ranks never outlive a killed launch.
+A rank is a process that starts with LOCAL_RANK set (torchrun's ranks), or, below the launch's
+first process, with RANK and WORLD_SIZE set: torch's env contract, set by a launcher before the
+interpreter starts, as Ray does for a worker group's actors (verl's RayWorkerGroup gives each
+its RANK and WORLD_SIZE in the actor's runtime_env; LOCAL_RANK comes only later, from verl's own
+code), so the ranks a plain job starts itself are recorded too. The launch's first process
+(torchrun, or the plain job) is never one by RANK and WORLD_SIZE alone (a harness running inside
+a launch passes its own on), and what a rank starts is never a rank (PARITY_WORLD_CHILD: a
+DataLoader worker inherits its parent's variables).
+
+A rank whose parent is the launch's first process (its torchrun, or the plain job that started
+it) also asks the kernel to SIGKILL it when that parent dies (PR_SET_PDEATHSIG), so ranks never
+outlive a killed launch.
 
 A rank (and the plain job of a launch without torchrun) also registers a dump of its Python
 stacks, every thread's, on the signal the harness names (``PARITY_STACK_SIGNAL``, a real-time
@@ -209,9 +218,10 @@ class _C10dFinder:
 
 
 def _die_with_launcher() -> None:
-    """A rank started by the launch's torchrun: SIGKILL when it dies (Linux prctl), so a killed
-    launch leaves no rank behind. Only then: the parent of another launcher's worker (a Ray
-    raylet) is left alone, and a parent already gone leaves it to the harness's cleanup."""
+    """A rank started by the launch's first process (torchrun, or the plain job): SIGKILL when
+    it dies (Linux prctl), so a killed launch leaves no rank behind. Only then: the parent of
+    another launcher's worker (a Ray raylet) is left alone, and a parent already gone leaves it
+    to the harness's cleanup."""
     if not sys.platform.startswith("linux") or os.environ.get(_LAUNCHER_ENV) != str(os.getppid()):
         return
     import ctypes
@@ -275,7 +285,15 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-if os.environ.get(_DIR_ENV) and "LOCAL_RANK" in os.environ and _CHILD_ENV not in os.environ:
+def _is_rank() -> bool:
+    """Whether this process is one of the launch's ranks (the module doc says which)."""
+    env = os.environ
+    if not env.get(_DIR_ENV) or _CHILD_ENV in env:
+        return False
+    return "LOCAL_RANK" in env or (_LAUNCHER_ENV in env and "RANK" in env and "WORLD_SIZE" in env)
+
+
+if _is_rank():
     os.environ[_CHILD_ENV] = str(os.getpid())  # what this rank starts is not a rank
     try:
         _start()

@@ -1,0 +1,72 @@
+"""A plain job (``distributed = false``, ``world_size = 2``) that starts its own 2 ranks, as a
+Ray worker group does: each a fresh interpreter given RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT before it starts (no LOCAL_RANK), which joins a gloo group and all-reduces. The job
+writes metrics.jsonl (5 steps, the end record) into ``--out`` once both ranks exited 0.
+
+``--broken``: each rank is given a world of its own (WORLD_SIZE=1, RANK=0), the mistake of a
+launcher that forgot its ranks' variables; the ranks run alone, the metrics are the same.
+``--replace-pythonpath``: the ranks get ``PYTHONPATH`` set to this folder alone, as a wrapper that
+replaces it instead of adding to it would (the harness's start-up hook is then gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+RANK = """\
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size(), t
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, args: argparse.Namespace, port: int) -> dict[str, str]:
+    """The rank's variables, on top of this process's (what Ray does with runtime_env)."""
+    if args.broken:  # a world of one, with a store of its own
+        ranks = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+    else:
+        ranks = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **ranks}
+    if args.replace_pythonpath:
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
+    return env
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--broken", action="store_true")
+    p.add_argument("--replace-pythonpath", action="store_true")
+    args = p.parse_args()
+    port = free_port()
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK], env=rank_env(r, args, port))
+        for r in range(2)
+    ]
+    codes = [proc.wait(timeout=120) for proc in ranks]
+    if any(codes):
+        sys.exit(f"ranks exited {codes}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "metrics.jsonl", "w") as f:
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "train/loss": 1.0 / step}) + "\n")
+        f.write(json.dumps({"event": "end", "steps": 5}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
