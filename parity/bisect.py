@@ -28,17 +28,17 @@ from typing import Any
 import pandas as pd
 
 from parity.carry import Carry, CarryItem
-from parity.check import (
+from parity.check import carry_into_revisions, run_in_tree
+from parity.files import LAUNCH_SUFFIX, write_json_atomic
+from parity.git import (
     RevisionError,
-    carry_into_revisions,
-    git,
+    quiet_git,
     repo_root,
     resolve_revision,
-    run_in_tree,
+    subject,
     worktree,
 )
-from parity.files import LAUNCH_SUFFIX, write_json_atomic
-from parity.judge.compare import Comparison, MetricResult, Policy, compare_frames, json_value
+from parity.judge.compare import Comparison, Policy, compare_frames, json_value
 from parity.outdir import OutDir, write_json_new, write_new
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
 from parity.record.runfolder import metrics_path
@@ -47,9 +47,8 @@ from parity.run.launch import LaunchError
 from parity.run.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 
-__all__ = ["BisectResult", "TestedCommit", "bisect", "first_divergence"]
+__all__ = ["BisectResult", "TestedCommit", "bisect"]
 
-_QUIET_GIT = ("-c", "core.hooksPath=/dev/null", "-c", "gc.auto=0")
 _ANSWER = {"aligned": "good", "diverged": "bad"}  # anything else, a failed run: "skip"
 _FIRST_BAD = re.compile(r"^([0-9a-f]{40}) is the first bad commit", re.MULTILINE)
 _STEPS_LEFT = re.compile(r"\(roughly (\d+) steps?\)")
@@ -141,19 +140,6 @@ class BisectResult:
         return "\n".join(lines)
 
 
-def first_divergence(comparison: Comparison) -> MetricResult | None:
-    """The failing metric that goes wrong earliest (then by name); None when aligned."""
-    failures = comparison.failures
-    if not failures:
-        return None
-
-    def key(m: MetricResult) -> tuple[bool, int, str]:
-        step = m.first_divergent_step
-        return (step is None, step or 0, m.name)
-
-    return min(failures, key=key)
-
-
 @dataclass(frozen=True)
 class _Reading:
     """How the reference and every tested run are read and compared: `parity compare`'s
@@ -186,14 +172,6 @@ class _Reading:
         )
 
 
-def _git(repo: Path, *args: str) -> str:
-    return git(repo, *_QUIET_GIT, *args)
-
-
-def _subject(repo: Path, commit: str) -> str:
-    return _git(repo, "log", "-1", "--format=%s", commit)
-
-
 def _test_commit(
     spec: JobSpec,
     tree: Path,
@@ -207,9 +185,9 @@ def _test_commit(
     """Run the spec in ``tree`` (at some commit), compare with the reference, record the verdict
     in out/commits/<sha>/verdict.json. A failed or unreadable run is "skipped" (with
     skip_failed; else its LaunchError or MetricsError is raised)."""
-    commit = _git(tree, "rev-parse", "HEAD")
+    commit = quiet_git(tree, "rev-parse", "HEAD")
     run_dir = out / "commits" / commit[:12]
-    tested = TestedCommit(commit, _subject(tree, commit), "skipped", run=str(run_dir))
+    tested = TestedCommit(commit, subject(tree, commit), "skipped", run=str(run_dir))
     if carry is not None:
         carry.into(tree)  # again where the last commit's run changed the copies
     try:
@@ -223,7 +201,8 @@ def _test_commit(
         tested.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     else:
         tested.verdict = comparison.verdict
-        m = first_divergence(comparison)
+        # a metric missing on one side has no step: named all the same
+        m = comparison.first_divergence() or next(iter(comparison.failures), None)
         if m is not None:
             tested.metric, tested.step = m.name, m.first_divergent_step
             tested.policy = m.first_divergent_policy or m.policy
@@ -308,7 +287,7 @@ def bisect(
     if good_c == bad_c:
         raise RevisionError(f"good {good!r} and bad {bad!r} are the same commit {good_c[:12]}")
     try:
-        _git(root, "merge-base", "--is-ancestor", good_c, bad_c)
+        quiet_git(root, "merge-base", "--is-ancestor", good_c, bad_c)
     except RevisionError:
         raise RevisionError(f"good {good!r} is not an ancestor of bad {bad!r}") from None
     carried = carry_into_revisions(root, carry, {"good": good_c, "bad": bad_c})
@@ -344,7 +323,7 @@ def _bisect(
     copied into each worktree."""
     reference = out / "good"
     with worktree(root, good_c, shared) as tree:
-        _say(f"reference run of good {good_c[:12]} {_subject(root, good_c)}")
+        _say(f"reference run of good {good_c[:12]} {subject(root, good_c)}")
         if carry is not None:
             carry.into(tree)
         label = f"good {good_c[:12]}"
@@ -367,7 +346,7 @@ def _bisect(
 
 def _expected_tests(root: Path, good_c: str, bad_c: str) -> int:
     """About how many commits a bisection tests: the bad one, then log2 of the other candidates."""
-    candidates = int(_git(root, "rev-list", "--count", f"{good_c}..{bad_c}"))
+    candidates = int(quiet_git(root, "rev-list", "--count", f"{good_c}..{bad_c}"))
     return 1 + max(candidates - 1, 0).bit_length()
 
 
@@ -393,7 +372,7 @@ def _bisect_in(tree: Path, state: _Bisection) -> BisectResult:
         _save_log(tree, state.out)
     finally:  # the worktree's own bisect state; removing the worktree drops it anyway
         with deferred(), contextlib.suppress(RevisionError):
-            _git(tree, "bisect", "reset", "--quiet")
+            quiet_git(tree, "bisect", "reset", "--quiet")
     culprit = state.tested.get(found[1])
     if culprit is None:
         raise RevisionError(f"git bisect named {found[1]}, which was never tested")
@@ -404,13 +383,13 @@ def _bisect_git(tree: Path, *args: str) -> str:
     """One `git bisect` command; a signal waits for it (git killed half-way through a checkout
     would leave the worktree's index locked)."""
     with deferred():
-        return _git(tree, "bisect", *args)
+        return quiet_git(tree, "bisect", *args)
 
 
 def _only_skipped_left(tree: Path) -> list[str] | None:
     """When git stopped because only skipped commits are left: the commits it says may be the
     first bad one (from its bisect log); None when it stopped for another reason."""
-    log = _git(tree, "bisect", "log")
+    log = quiet_git(tree, "bisect", "log")
     if _ONLY_SKIPPED not in log:
         return None
     return _POSSIBLE.findall(log)
@@ -418,7 +397,7 @@ def _only_skipped_left(tree: Path) -> list[str] | None:
 
 def _save_log(tree: Path, out: Path) -> None:
     with contextlib.suppress(RevisionError):
-        write_new(out / "bisect.log", _git(tree, "bisect", "log") + "\n")
+        write_new(out / "bisect.log", quiet_git(tree, "bisect", "log") + "\n")
 
 
 def _say(text: str) -> None:

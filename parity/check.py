@@ -1,35 +1,41 @@
 """Pre-merge refactor check: one job spec run on two git revisions, or against a golden file.
 
-The user's working tree, index, branches and HEAD are never touched: each revision is checked
-out with ``git worktree add --detach`` into a temp folder, which is removed and pruned again
-whatever happens. The job runs with cwd and PYTHONPATH at that folder, so ``-m pkg`` and script
-paths resolve to the revision's own code, not to the installed package.
+Two revisions are a pair (parity.pair): each runs as a side, in its own temporary worktree
+(parity.git: ``git worktree add --detach``, removed and pruned again whatever happens), with cwd
+and PYTHONPATH at that folder, so ``-m pkg`` and script paths resolve to the revision's own code,
+not to the installed package. `run_sides` runs and compares them, `finish_pair` diagnoses them
+once, reruns them with the first divergent step's ops traced where that names the first
+differing op (each in its worktree again), and writes pair's summary.json / summary.md and
+report.md / report.html, with the revisions and the carried inputs added (a `Framing`).
+The user's working tree, index, branches and HEAD are never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parity.carry import Carry, CarryItem, carry_items
-from parity.errors import InputError
 from parity.files import launch_dir
+from parity.git import RevisionError, dirty, origin, repo_root, resolve_revision, worktree
 from parity.judge.compare import Comparison, Policy
 from parity.judge.diagnose import Diagnosis
-from parity.outdir import OutDir, write_json_new
+from parity.outdir import OutDir
 from parity.pair import (
+    Framing,
+    PairResult,
+    SideRun,
+    finish_pair,
+    pair_entries,
+    run_sides,
     teardown_line,
     teardown_notes,
     teardown_verdict,
-    topology_notes,
     write_failed,
 )
 from parity.readers import (
@@ -41,33 +47,38 @@ from parity.readers import (
 )
 from parity.record.runfolder import metrics_path
 from parity.report import Report, build_report
-from parity.run.job import detected, holding, launch_spec, mark_teardown, no_run_line
+from parity.run.job import Run, detected, holding, launch_spec, mark_teardown, no_run_line
 from parity.run.launch import LaunchError, LaunchResult
-from parity.run.signals import deferred
-from parity.spec import READ_OPTIONS, JobSpec
+from parity.spec import READ_OPTIONS, JobSpec, PairSpec
 
 __all__ = [
+    "CHECK_ENTRIES",
     "CheckResult",
     "RevisionError",
     "check_golden",
     "check_revisions",
     "resolve_revision",
     "run_in_tree",
+    "tree_runner",
     "worktree",
 ]
 
+#: the sides of a check, each its run folder's name: base (side A) and head (side B)
+SIDES = ("base", "head")
 
-class RevisionError(InputError):
-    """A git command that failed (not a repo, unknown revision); the message is one line."""
+#: what a check of two revisions writes in its folder (parity.pair.pair_entries)
+CHECK_ENTRIES = pair_entries(*SIDES)
 
 
 @dataclass
 class CheckResult:
+    """A run of the current tree against a golden file (`check_golden`)."""
+
     comparison: Comparison
     report: Path  # report.md; report.html lies next to it
     a_dir: Path
     b_dir: Path
-    a_rev: str | None  # commit ids; None for the golden file / the current tree
+    a_rev: str | None  # None: the golden file / the current tree
     b_rev: str | None
     teardown: list[tuple[str, LaunchResult]] = field(default_factory=list)  # (side, launch)
     allow_teardown_failure: bool = False
@@ -81,107 +92,6 @@ class CheckResult:
 
     def teardown_line(self) -> str:
         return teardown_line(self.teardown, self.comparison)
-
-
-def git(repo: Path, *args: str) -> str:
-    """``git -C repo ARGS`` output; RevisionError with git's own message when it fails."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(repo), *args],
-            capture_output=True,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            timeout=300,
-            start_new_session=True,  # a terminal's Ctrl-C reaches us (parity.run.signals), not git
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RevisionError(f"git {args[0]}: {e}") from None
-    if out.returncode != 0:
-        lines = (out.stderr or out.stdout).strip().splitlines()
-        raise RevisionError(f"git {' '.join(args)}: {lines[-1] if lines else 'failed'}")
-    return out.stdout.strip()
-
-
-def repo_root(path: Path) -> Path:
-    return Path(git(path, "rev-parse", "--show-toplevel"))
-
-
-def resolve_revision(repo: Path, rev: str) -> str:
-    """The commit id of ``rev``; ``--end-of-options`` keeps a rev like ``--foo`` a rev. An
-    unknown one in a shallow clone (CI's default checkout) says so: it may well exist, in the
-    history the clone did not fetch."""
-    try:
-        return git(repo, "rev-parse", "--verify", "-q", "--end-of-options", f"{rev}^{{commit}}")
-    except RevisionError:
-        pass
-    hint = ""
-    try:
-        if git(repo, "rev-parse", "--is-shallow-repository") == "true":
-            hint = " (this is a shallow clone: fetch more history, e.g. git fetch --unshallow)"
-    except RevisionError:
-        pass
-    raise RevisionError(f"{repo}: unknown git revision {rev!r}{hint}")
-
-
-@contextmanager
-def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Path]:
-    """A detached checkout of ``commit`` in a temp folder (in ``parent``: a Slurm launcher's
-    folder on the file system the nodes share; default the system's temp folder), removed and
-    pruned on exit.
-
-    A signal (parity.run.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
-    removed: git killed half-way through `worktree add` leaves it registered and locked.
-    """
-    tmp = None
-    try:
-        with deferred():
-            tmp = Path(tempfile.mkdtemp(prefix="parity-worktree-", dir=parent))
-            path = tmp / commit[:12]
-            hooks_off = ("-c", "core.hooksPath=/dev/null")  # a post-checkout hook could touch it
-            git(repo, *hooks_off, "worktree", "add", "--detach", "--quiet", str(path), commit)
-        _TEMPORARY[path] = repo
-        yield path
-    finally:  # cleanup errors must not hide the error that brought us here
-        if tmp is not None:
-            _TEMPORARY.pop(tmp / commit[:12], None)
-            with deferred():
-                _remove_worktree(repo, tmp, tmp / commit[:12])
-
-
-#: the temporary worktrees that exist now (``worktree``), each with its repository: a run in
-#: one records how to make it again (``origin``), since it is gone once the run is reported
-_TEMPORARY: dict[Path, Path] = {}
-
-
-def origin(tree: Path, carry: Carry | None = None) -> dict[str, Any]:
-    """What the report needs to rerun a job that ran in ``tree`` once that is gone: for one of
-    ``worktree``'s temporary worktrees, its repository, the commit checked out there now (bisect
-    moves it) and its path (named in the job's command), and the inputs carried into it (where
-    from, which paths: the rerun's worktree needs them too); {} for any other folder."""
-    repo = _TEMPORARY.get(tree)
-    if repo is None:
-        return {}
-    commit = git(tree, "rev-parse", "HEAD")
-    made = {"repo": str(repo), "commit": commit, "path": str(tree)}
-    if carry:
-        made["carry"] = {"from": str(carry.root), "paths": [item.path for item in carry.items]}
-    return {"worktree": made}
-
-
-def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
-    if path.exists():
-        _git_unchecked(repo, "worktree", "remove", "--force", str(path))
-    shutil.rmtree(tmp, ignore_errors=True)
-    _git_unchecked(repo, "worktree", "prune")
-
-
-def _git_unchecked(repo: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,  # not stopped half-way by a terminal's Ctrl-C
-    )
 
 
 def run_in_tree(
@@ -246,8 +156,26 @@ def _hint_carry(result: LaunchResult, tree: Path, carry: Carry | None) -> None:
         result.note = f"{result.note}\n{hint}" if result.note else hint
 
 
-def _dirty(repo: Path) -> bool:
-    return bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
+def tree_runner(
+    tree: Path, carry: Carry | None = None, read: Mapping[str, Any] | None = None
+) -> Callable[..., Run]:
+    """parity.run.job.run_job's call for jobs run in ``tree`` (`run_in_tree`), each read as the
+    spec's `[read]` says: a check's side in its revision's worktree, and its op-trace rerun.
+    ``carry`` is copied into ``tree`` before each run (again where an earlier run changed it)."""
+    options = {**READ_OPTIONS, **(read or {})}
+
+    def run(
+        spec: JobSpec, out: Path, label: str | None = None, *, allow_teardown_failure: bool = False
+    ) -> Run:
+        if carry is not None:
+            carry.into(tree)
+        launch = run_in_tree(spec, tree, out, allow_teardown_failure, label, carry, read)
+        out = Path(out).resolve()
+        frame = read_metrics(out, options["format"], run=options["run"],
+                             duplicates=options["duplicates"])  # fmt: skip
+        return Run(spec, out, launch, frame)
+
+    return run
 
 
 def check_revisions(
@@ -261,58 +189,71 @@ def check_revisions(
     allow_teardown_failure: bool = False,
     read: Mapping[str, Any] | None = None,
     carry: Sequence[CarryItem | str] = (),
-) -> CheckResult:
-    """Run ``spec`` at ``base`` and at ``head`` (default HEAD), compare, write the report.
+    trace: bool = True,
+) -> PairResult:
+    """Run ``spec`` at ``base`` and at ``head`` (default HEAD) as a pair, side A and side B
+    (parity.pair: `run_sides`, then `finish_pair`), each in its revision's worktree.
 
-    Runs go to out/base and out/head, the report to out; any of those names already taken
-    (an earlier run's, the user's) is refused before anything runs (parity.outdir). Raises
-    RevisionError (bad repo or revision), LaunchError (a run failed) or MetricsError (a run
-    wrote bad metrics). A run that failed only at teardown is compared anyway and named in
-    ``result.teardown``; the verdict is then "failed" unless allow_teardown_failure, as in
-    `parity pair`. read: how each side is read (spec.READ_OPTIONS: format, run, duplicates,
-    allow_skipped). carry: paths git ignores copied read-only from the checkout into both
-    worktrees (parity.carry; each refused up front where it is not such an input), recorded in
-    summary.json and the report.
+    Runs go to out/base and out/head, summary.json / summary.md and the report to out, the
+    op-trace rerun (trace: where the sides diverged on the same batches) to out/trace-a and
+    out/trace-b; any of those names already taken (an earlier run's, the user's) is refused
+    before anything runs (parity.outdir). summary.json is pair's, with ``base`` and ``head``
+    (each its ``rev`` and ``commit``) and ``carried``. Raises RevisionError (bad repo or
+    revision), LaunchError (a run failed) or MetricsError (a run wrote bad metrics). A run that
+    failed only at teardown is compared anyway and named in ``result.teardown``; the verdict
+    is then "failed" unless allow_teardown_failure, as in `parity pair`. read: how each side is
+    read (spec.READ_OPTIONS: format, run, duplicates, allow_skipped, at_source_precision).
+    carry: paths git ignores copied read-only from the checkout into both worktrees
+    (parity.carry; each refused up front where it is not such an input).
     """
     root = repo_root(Path(repo or Path.cwd()))
     revs = {"base": base, "head": head or "HEAD"}
     commits = {side: resolve_revision(root, rev) for side, rev in revs.items()}
     carried = carry_into_revisions(root, carry, commits)
-    notes = [f"{side} = {revs[side]} = {commits[side]}" for side in revs]
-    notes.append("each side ran in `git worktree add --detach DIR COMMIT`, cwd DIR, PYTHONPATH=DIR")
-    if head is None and _dirty(root):
+    warning = ""
+    if head is None and dirty(root):
         warning = "uncommitted changes in the working tree are not part of head (HEAD)"
         print(f"parity: warning: {warning}", file=sys.stderr)
-        notes.append(warning)
+    options = {**READ_OPTIONS, **(read or {})}
     out = Path(out).resolve()
-    dirs = {side: out / side for side in revs}
-    labels = [f"{side} {revs[side]} ({commits[side][:12]})" for side in revs]
-    launches = {}
     with OutDir.open(out) as held:
-        held.claim(*_run_names(dirs.values()), "summary.json")
-        with holding(spec, held) as shared:  # Slurm: both revisions on the same nodes
+        held.claim(*CHECK_ENTRIES)
+        with holding(spec, held) as shared, contextlib.ExitStack() as trees:
+            sides = []
+            for side in SIDES:  # both worktrees stay until the op-trace rerun is done
+                tree = trees.enter_context(worktree(root, commits[side], shared))
+                label = f"{side} {revs[side]} ({commits[side][:12]})"
+                sides.append(SideRun(side, label, tree_runner(tree, carried, read)))
             try:
-                for side, label in zip(revs, labels, strict=True):
-                    with worktree(root, commits[side], shared) as tree:
-                        carried.into(tree)
-                        launches[side] = run_in_tree(
-                            spec, tree, dirs[side], True, label, carried, read
-                        )
+                result = run_sides(
+                    PairSpec(spec), out, policies, allow_teardown_failure=allow_teardown_failure,
+                    at_source_precision=options["at_source_precision"],
+                    allow_skipped=options["allow_skipped"], sides=(sides[0], sides[1]),
+                )  # fmt: skip
             except LaunchError as e:
                 write_failed(out, e)
                 raise
-        notes += topology_notes(dirs["base"], dirs["head"], "")
-        report = build_report(
-            dirs["base"], dirs["head"], policies, labels=labels, notes=notes, **_read(read)
-        )
-        report.carried = [c.line() for c in carried.carried]
-        result = CheckResult(
-            report.comparison, out / "report.md", dirs["base"], dirs["head"], commits["base"],
-            commits["head"], _failed(launches), allow_teardown_failure,
-        )  # fmt: skip
-        result.carried = [c.to_dict() for c in carried.carried]
-        _write_summary(result, out)
-        return _written(result, report, out)
+            result.framing = _framing(revs, commits, carried, [s.label for s in sides], warning)
+            return finish_pair(result, trace=trace)
+
+
+def _framing(
+    revs: Mapping[str, str],
+    commits: Mapping[str, str],
+    carried: Carry,
+    labels: Sequence[str],
+    warning: str,
+) -> Framing:
+    """What check adds to its pair: the revisions in the report's labels and notes, the dirty
+    tree's warning, and in summary.json the revisions and the inputs carried into both."""
+    notes = [f"{side} = {revs[side]} = {commits[side]}" for side in SIDES]
+    notes.append("each side ran in `git worktree add --detach DIR COMMIT`, cwd DIR, PYTHONPATH=DIR")
+    summary = {side: {"rev": revs[side], "commit": commits[side]} for side in SIDES}
+    summary["carried"] = [c.to_dict() for c in carried.carried]
+    return Framing(
+        (labels[0], labels[1]), notes + ([warning] if warning else []),
+        [c.line() for c in carried.carried], summary,
+    )  # fmt: skip
 
 
 def carry_into_revisions(
@@ -326,15 +267,6 @@ def carry_into_revisions(
         carried.check_revision(commit, name)
     carried.check_checkout()
     return carried
-
-
-def _write_summary(result: CheckResult, out: Path) -> None:
-    """summary.json: the verdict, the two commits and the inputs carried into both."""
-    summary = {
-        "verdict": result.verdict, "base": result.a_rev, "head": result.b_rev,
-        "carried": result.carried,
-    }  # fmt: skip
-    write_json_new(out / "summary.json", summary)
 
 
 def _run_names(dirs) -> list[str]:

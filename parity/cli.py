@@ -341,13 +341,33 @@ def cmd_check(args: argparse.Namespace) -> int:
             loaded, Path(args.golden), out, policies=policies, read=read,
             allow_teardown_failure=args.allow_teardown_failure,
         )  # fmt: skip
-    elif args.base:
-        result = check_revisions(
-            loaded, args.base, args.head, out, policies=policies, read=read,
-            allow_teardown_failure=args.allow_teardown_failure, carry=_carry(args),
-        )  # fmt: skip
-    else:
+        return _golden_printed(args, result, out)
+    if not args.base:
         raise SpecError("check needs --base REV (and optionally --head REV) or --golden FILE")
+    pair = check_revisions(
+        loaded, args.base, args.head, out, policies=policies, read=read,
+        allow_teardown_failure=args.allow_teardown_failure, carry=_carry(args), trace=args.trace,
+    )  # fmt: skip
+    return _check_printed(args, pair)
+
+
+def _check_printed(args: argparse.Namespace, result) -> int:
+    """A check of two revisions as a pair: --json prints summary.json as written; else the
+    table, the diagnosis and the verdict, as `parity pair` prints them."""
+    if args.json:
+        summary = json.loads((result.dir / "summary.json").read_text())
+        print(json.dumps(summary, allow_nan=False))
+        return EXIT_RUN_FAILED if result.verdict == "failed" else _exit(result.comparison)
+    print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
+    print(f"report: {result.report.with_name('report.html')}  {result.report}")
+    extra = {"diagnosis": result.diagnosis_dict()}
+    if not result.teardown:
+        return _report(result.comparison, False, extra)
+    return _report_teardown(result, False, extra)
+
+
+def _golden_printed(args: argparse.Namespace, result, out: Path) -> int:
+    """A check of the current tree against a golden file: the comparison, its diagnosis."""
     html = result.report.with_name("report.html")
     if not args.json:
         print(f"runs: {result.a_dir}  {result.b_dir}")
@@ -473,7 +493,8 @@ def _print_commands(loaded: JobSpec | PairSpec) -> int:
 
 def cmd_mutants(args: argparse.Namespace) -> int:
     """Every mutant of the registered catalogues (or of --catalogue MODULE)."""
-    from parity.tasks import MUTANT_GROUP, catalogues, load_catalogue
+    from parity.rank.mutants import MUTANT_GROUP, catalogues
+    from parity.tasks import load_catalogue
 
     modules = [args.catalogue] if args.catalogue else sorted(catalogues().values())
     rows = [(name, text, mod) for mod in modules for name, (text, _) in load_catalogue(mod).items()]
@@ -598,6 +619,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     check.add_argument("--out", default="runs/check", help="run folders and report")
     check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
+    check.add_argument(
+        "--no-trace",
+        dest="trace",
+        action="store_false",
+        help="do not rerun revisions that diverged on the same batches up to their first "
+        "divergent step with every op traced (the first differing op; on by default)",
+    )
     _launcher_argument(check)
     _run_read_arguments(check)
     _carry_argument(check)

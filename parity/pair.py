@@ -10,6 +10,11 @@ own runs (the pytest plugin's cached and pooled ones) goes through the same ones
 
 A pair folder holds a/, b/ (a-repeat/ with the noise floor, trace-a/ and trace-b/ after an op-trace
 rerun), summary.json / summary.md and report.md / report.html.
+
+A caller whose sides run elsewhere goes through the same steps: `parity check` gives `run_sides`
+one `SideRun` per revision (its folder, out/base or out/head, and a runner in the revision's
+worktree, which the op-trace rerun uses too) and the result a `Framing` (the revisions in the
+report's labels and notes, and in summary.json).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +48,39 @@ if TYPE_CHECKING:
 SAME_BATCHES = "same batches, numbers differ"
 
 
+@dataclass(frozen=True)
+class SideRun:
+    """How one side of a pair runs: its folder in the pair's folder, how progress lines and
+    errors name it, and what runs it (parity.run.job.run_job's call; that one by default). One
+    place for all of a side's runs, so that its op-trace rerun runs where the side ran (`parity
+    check`: in the revision's worktree)."""
+
+    folder: str
+    label: str
+    run: Callable[..., Run] | None = None
+
+    def runner(self) -> Callable[..., Run]:
+        """The side's runner, parity.run.job.run_job (looked up now) unless it has its own."""
+        return self.run or job.run_job
+
+    def __call__(self, spec: JobSpec, out: Path) -> Run:
+        """The side's run into out/<folder>; a failure only at teardown is returned, not raised."""
+        return self.runner()(spec, out / self.folder, label=self.label, allow_teardown_failure=True)
+
+
+@dataclass
+class Framing:
+    """What a caller that runs a pair for its own ends adds to what the pair writes (`parity
+    check`: two revisions): the report's labels of the sides and the notes it leads with, the
+    inputs carried into both (the report's section, parity.carry), and keys of its own in
+    summary.json beside the pair's."""
+
+    labels: tuple[str, str] = ("A", "B")
+    notes: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class PairResult:
     a: Run
@@ -54,13 +92,19 @@ class PairResult:
     diagnosis: Diagnosis | None = None  # parity.judge.diagnose of a vs b: see diagnose()
     trace_rerun: TraceRerun | None = None  # the op-trace rerun, when one was run
     report: Path | None = None  # report.md (report.html beside it), when one was written
+    sides: tuple[SideRun, SideRun] | None = None  # how the sides ran (run_sides)
+    framing: Framing = field(default_factory=Framing)
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The sides' names (their folders): "a" and "b", `check`'s "base" and "head"."""
+        return (self.sides[0].folder, self.sides[1].folder) if self.sides else ("a", "b")
 
     @property
     def teardown(self) -> list[tuple[str, LaunchResult]]:
         """(side, launch) of each side that finished training, then crashed or hung at exit."""
-        return [
-            (side, run.launch) for side, run in (("a", self.a), ("b", self.b)) if not run.launch.ok
-        ]
+        runs = zip(self.names, (self.a, self.b), strict=True)
+        return [(side, run.launch) for side, run in runs if not run.launch.ok]
 
     @property
     def verdict(self) -> str:
@@ -80,7 +124,8 @@ class PairResult:
 
     def teardown_line(self) -> str:
         """One line naming each side's teardown failure, or '' when there was none."""
-        named = [(f"side {side.upper()}", result) for side, result in self.teardown]
+        named = [(f"side {side.upper()}" if side in ("a", "b") else side, result)
+                 for side, result in self.teardown]  # fmt: skip
         return teardown_line(named, self.comparison)
 
     def diagnose(self) -> Diagnosis:
@@ -99,13 +144,14 @@ class PairResult:
 
     def labels(self) -> tuple[str, str]:
         """How the report names the two sides (B is A's repeat when A was not deterministic)."""
-        return ("A", "A' (A again)") if self.verdict == NONDETERMINISTIC else ("A", "B")
+        return ("A", "A' (A again)") if self.verdict == NONDETERMINISTIC else self.framing.labels
 
     def notes(self) -> list[str]:
-        """The report's notes: the teardown failure, where each side ran (Slurm) and whether
-        that differed, the op-trace rerun's line."""
+        """The report's notes: the framing's, the teardown failure, where each side ran (Slurm)
+        and whether that differed, the op-trace rerun's line."""
         rerun = [self.trace_rerun.line()] if self.trace_rerun is not None else []
-        return teardown_notes(self) + topology_notes(self.a.dir, self.b.dir, self.verdict) + rerun
+        where = topology_notes(self.a.dir, self.b.dir, self.verdict)
+        return [*self.framing.notes, *teardown_notes(self), *where, *rerun]
 
 
 def teardown_verdict(
@@ -188,13 +234,15 @@ def compare_pair(
     allow_teardown_failure: bool = False,
     floor: NoiseFloor | None = None,
     at_source_precision: bool = False,
+    allow_skipped: bool = False,
 ) -> PairResult:
     """The two runs of a pair compared under ``policies``: the one place a pair's result is
-    made (run_pair's and the pytest plugin's). ``out``: the pair's folder. at_source_precision:
-    a rounded log is judged at its decimals (compare_frames)."""
+    made (run_pair's, check's and the pytest plugin's). ``out``: the pair's folder.
+    at_source_precision, allow_skipped: as compare_frames takes them."""
     comparison = compare_frames(
-        a.metrics, b.metrics, policies, at_source_precision=at_source_precision
-    )
+        a.metrics, b.metrics, policies, at_source_precision=at_source_precision,
+        allow_skipped=allow_skipped,
+    )  # fmt: skip
     return PairResult(a, b, comparison, Path(out), allow_teardown_failure, floor=floor)
 
 
@@ -256,13 +304,18 @@ def run_pair(
             return finish_pair(result, trace=trace, report=report)
 
 
-#: what a pair writes in its folder: the sides' run and launch folders, the noise floor's
-#: repeat, the in-process launch, the op-trace reruns, the summary and the report
-PAIR_ENTRIES = tuple(
-    name
-    for side in ("a", "b", "a-repeat", "trace-a", "trace-b")
-    for name in (side, side + LAUNCH_SUFFIX)
-) + ("in-process", job.ALLOCATION, "summary.json", "summary.md", "report.md", "report.html")
+def pair_entries(*runs: str) -> tuple[str, ...]:
+    """What a pair writes in its folder: each of ``runs`` (the sides' run folders) and the
+    op-trace reruns', with their launch folders, the Slurm allocation, the summary and the
+    report; claimed before anything runs (parity.outdir)."""
+    folders = (*runs, "trace-a", "trace-b")
+    launched = tuple(name for run in folders for name in (run, run + LAUNCH_SUFFIX))
+    return launched + (job.ALLOCATION, "summary.json", "summary.md", "report.md", "report.html")
+
+
+#: what `parity pair` writes in its folder: pair_entries of its sides and the noise floor's
+#: repeat, and the in-process launch
+PAIR_ENTRIES = (*pair_entries("a", "b", "a-repeat"), "in-process")
 
 
 def run_sides(
@@ -274,11 +327,18 @@ def run_sides(
     allow_teardown_failure: bool = False,
     noise_floor: bool = False,
     at_source_precision: bool = False,
+    allow_skipped: bool = False,
+    sides: tuple[SideRun, SideRun] | None = None,
 ) -> PairResult:
     """Run the pair's sides into out/a and out/b (A twice first with noise_floor) and compare
-    them; nothing is written beside the runs (finish_pair does that)."""
+    them; nothing is written beside the runs (finish_pair does that). sides: where and how each
+    side runs instead (`parity check`: each revision in its worktree, into out/base and
+    out/head); not with in_process or noise_floor, which run side A here."""
     out = Path(out).resolve()
     spec_a, spec_b = pair.sides()
+    if sides is not None and (in_process or noise_floor):
+        raise SpecError("sides of their own run neither in one process nor with a noise floor")
+    sides = sides or (SideRun("a", side_label("a", spec_a)), SideRun("b", side_label("b", spec_b)))
     floor = a = None
     if noise_floor:
         a, _, floor = measure_floor(spec_a, out, policies)
@@ -291,24 +351,17 @@ def run_sides(
     elif a is None and spec_a.launcher.parallel:  # each side a Slurm job of its own, at once
         from parity.run.slurm import run_parallel
 
-        a, b = run_parallel([
-            lambda: job.run_job(spec_a, out / "a", label=side_label("a", spec_a),
-                                 allow_teardown_failure=True),
-            lambda: job.run_job(spec_b, out / "b", label=side_label("b", spec_b),
-                                 allow_teardown_failure=True),
-        ])  # fmt: skip
+        a, b = run_parallel([lambda: sides[0](spec_a, out), lambda: sides[1](spec_b, out)])
     else:
         if a is None:
-            a = job.run_job(
-                spec_a, out / "a", label=side_label("a", spec_a), allow_teardown_failure=True
-            )
-        b = job.run_job(
-            spec_b, out / "b", label=side_label("b", spec_b), allow_teardown_failure=True
-        )
-    return compare_pair(
+            a = sides[0](spec_a, out)
+        b = sides[1](spec_b, out)
+    result = compare_pair(
         a, b, out, policies, allow_teardown_failure=allow_teardown_failure, floor=floor,
-        at_source_precision=at_source_precision,
+        at_source_precision=at_source_precision, allow_skipped=allow_skipped,
     )  # fmt: skip
+    result.sides = sides
+    return result
 
 
 def finish_pair(
@@ -319,8 +372,9 @@ def finish_pair(
     run_job: Callable[..., Any] | None = None,
 ) -> PairResult:
     """What follows the comparison: the diagnosis (once), the op-trace rerun (trace; its runs
-    by ``run_job``, default parity.run.job.run_job), summary.json / summary.md after it, so that
-    they name the first differing op, and report.md / report.html (report)."""
+    by ``run_job``, default each side's own runner: ``result.sides``, else
+    parity.run.job.run_job), summary.json / summary.md after it, so that they name the first
+    differing op, and report.md / report.html (report)."""
     result.diagnose()
     if trace:
         trace_divergence(result, run_job=run_job)
@@ -347,6 +401,8 @@ def trace_divergence(
     print(f"{SAME_BATCHES} from step {found.step}: rerunning both sides up to it with every op "
           "traced (--no-trace, trace=False: skip)", file=sys.stderr, flush=True)  # fmt: skip
     a, b = result.a, result.b
+    if run_job is None and result.sides is not None:  # each side reruns where it ran
+        run_job = {"a": result.sides[0].runner(), "b": result.sides[1].runner()}
     rerun = trace_first_divergence(
         a.spec, b.spec, (a.dir, b.dir), found.step, result.dir, run_job=run_job or job.run_job
     )
@@ -372,6 +428,7 @@ def write_summary(result: PairResult) -> None:
     comparison = result.comparison.to_dict()
     sources = {side: comparison.pop(side) for side in ("a", "b")}  # the metrics files
     summary = {
+        **result.framing.summary,
         **comparison,
         "a": {"spec": result.a.spec.shown(), "dir": str(result.a.dir), "metrics": sources["a"]},
         "b": {"spec": result.b.spec.shown(), "dir": str(result.b.dir), "metrics": sources["b"]},
@@ -431,6 +488,7 @@ def write_pair_report(result: PairResult) -> Path:
 
     sides = [side_of(run.metrics, run.dir, label)
              for run, label in zip((result.a, result.b), result.labels(), strict=True)]  # fmt: skip
-    made = Report(result.comparison, *sides, result.notes(), result.diagnose())
+    made = Report(result.comparison, *sides, result.notes(), result.diagnose(),
+                  result.framing.carried)  # fmt: skip
     result.report = made.write(result.dir)
     return result.report

@@ -273,12 +273,6 @@ def _rows(comparison: Comparison) -> list[MetricResult]:
     return comparison.results.ordered()
 
 
-def first_divergence(comparison: Comparison) -> MetricResult | None:
-    """The diverged metric with the earliest first divergent step (ties: by name)."""
-    bad = [m for m in comparison.failures if m.first_divergent_step is not None]
-    return min(bad, key=lambda m: (m.first_divergent_step, m.name), default=None)
-
-
 _COLUMNS = (
     "metric",
     "status",
@@ -399,7 +393,7 @@ class Report:
         return f"parity: {c.verdict_text()} ({shown})"
 
     def first_line(self) -> str:
-        first = first_divergence(self.comparison)
+        first = self.comparison.first_divergence()
         if first is None:
             return ""
         return (
@@ -471,7 +465,7 @@ class Report:
             return html.escape(printable(str(text)), quote=True)
 
         c = self.comparison
-        first = first_divergence(c)
+        first = c.first_divergence()
         body = [f"<h1 class='{e(c.verdict)}'>{e(self.headline())}</h1>"]
         if first is not None:
             body.append(f"<p class='first'><a href='#first-divergence'>{e(self.first_line())}</a>")

@@ -303,8 +303,8 @@ class JobSpec:
             args = [a.replace("{out}", str(out_dir)) for a in self.command]
         else:
             args = list(preset.args(self, Path(out_dir)))
-        if self.inject:  # mutants are applied by parity.run.mutants in every rank, before the job
-            args = ["-m", "parity.run.mutants", "--mutants", ",".join(self.inject), *args]
+        if self.inject:  # mutants are applied by parity.rank.mutants in every rank, before the job
+            args = ["-m", "parity.rank.mutants", "--mutants", ",".join(self.inject), *args]
         return args
 
 

@@ -12,7 +12,8 @@ by itself; a package registers them, as the reference subject does in ``worker/p
 
 Third-party metric formats register the same way in ``llm_parity.readers`` (parity.readers).
 Entry points are read once per process and only when a preset or mutant is asked for, so a
-package that fails to import only fails the specs that name it, with its error.
+package that fails to import only fails the specs that name it, with its error. Mutants are
+looked up where they are applied, in the ranks (parity.rank.mutants).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.errors import SpecError
+from parity.rank import mutants as rank_mutants
 
 if TYPE_CHECKING:
     from parity.spec import JobSpec
 
 TASK_GROUP = "llm_parity.tasks"
-MUTANT_GROUP = "llm_parity.mutants"
 CUSTOM = "custom"
 
 
@@ -50,7 +51,7 @@ class Task:
         resuming from a state the job saved when one is given (parity.run.trace_rerun); raises
         SpecError with the reason when it cannot be. None: the job cannot be asked for a trace.
     preload: the default of its specs' ``preload`` key: modules the job imports first thing, in
-        that order, that the fast paths import once per warm rank (parity.run.inprocess).
+        that order, that the fast paths import once per warm rank (parity.rank.warm).
     """
 
     name: str
@@ -129,39 +130,10 @@ def _imported(reference: str) -> Task:
     return dataclasses.replace(task, entry=reference)
 
 
-def catalogues() -> dict[str, str]:
-    """Registered mutant catalogues: name -> module (each with MUTANTS)."""
-    return {ep.name: ep.value for ep in entry_points(group=MUTANT_GROUP)}
-
-
 def load_catalogue(module: str) -> dict[str, tuple[str, Callable[[], None]]]:
-    """MUTANTS of one catalogue module."""
+    """MUTANTS of one catalogue module, for the harness (TaskError: it cannot be loaded); the
+    lookup is the ranks' own (parity.rank.mutants: its catalogues() and MUTANT_GROUP)."""
     try:
-        catalogue = importlib.import_module(module).MUTANTS
-    except (ImportError, AttributeError) as e:
-        raise TaskError(f"mutant catalogue {module!r} not loadable: {e}") from None
-    return dict(catalogue)
-
-
-def find_mutants(
-    names_: list[str], module: str | None = None
-) -> dict[str, tuple[str, Callable[[], None]]]:
-    """Each named mutant's (catalogue module, apply), from ``module`` or else from every
-    registered catalogue (a name two catalogues share must be given its catalogue)."""
-    modules = [module] if module else list(catalogues().values())
-    found: dict[str, list[tuple[str, Callable[[], None]]]] = {}
-    for mod in modules:
-        for name, (_, apply) in load_catalogue(mod).items():
-            found.setdefault(name, []).append((mod, apply))
-    out = {}
-    for name in names_:
-        where = found.get(name, [])
-        if not where:
-            known = ", ".join(sorted(found)) or f"none (no package registers {MUTANT_GROUP})"
-            raise TaskError(f"unknown mutant {name!r} in {', '.join(modules) or 'no catalogue'}; "
-                            f"known: {known}")  # fmt: skip
-        if len(where) > 1:
-            both = ", ".join(mod for mod, _ in where)
-            raise TaskError(f"mutant {name!r} is in several catalogues ({both}); give one")
-        out[name] = where[0]
-    return out
+        return rank_mutants.load_catalogue(module)
+    except rank_mutants.MutantError as e:
+        raise TaskError(str(e)) from None

@@ -1,6 +1,6 @@
 """Our catalogue of realistic bugs, each a small monkeypatch of the worker-side code.
 
-Applied with `parity.run.mutants` in every rank before training (see `parity mutants`). Each entry
+Applied with `parity.rank.mutants` in every rank before training (see `parity mutants`). Each entry
 names the check that must catch it; a parity check that passes on one of these is a defect.
 """
 

@@ -116,7 +116,7 @@ def traced(spec: JobSpec, step: int, resume: Path | None) -> JobSpec:
 
 
 #: what both jobs import first (worker.entry's first line): the fast paths import it once per
-#: warm rank, before forking the jobs (parity.run.inprocess)
+#: warm rank, before forking the jobs (parity.rank.warm)
 PRELOAD = ("worker.boot",)
 
 

@@ -331,6 +331,13 @@ class Comparison:
     def failures(self) -> list[MetricResult]:
         return self.results.failures()
 
+    def first_divergence(self) -> MetricResult | None:
+        """The failed metric that went wrong earliest: the smallest first divergent step, ties
+        by name; None when no failure has a step (aligned, or a metric missing on one side).
+        The one rule the report, the diagnosis and bisect name "the first divergence" by."""
+        bad = [m for m in self.failures if m.first_divergent_step is not None]
+        return min(bad, key=lambda m: (m.first_divergent_step, m.name), default=None)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able (json.dumps(..., allow_nan=False)); non-finite floats become strings."""
         return {

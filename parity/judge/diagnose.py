@@ -223,9 +223,8 @@ def rank_agreement(run_dir: str | os.PathLike[str]) -> RankAgreement:
             allow_nothing_compared=True,  # ranks with no metric of their own: digests only
         )  # fmt: skip
         result.comparisons[rank] = comparison
-        bad = [m for m in comparison.failures if m.first_divergent_step is not None]
-        if bad:
-            m = min(bad, key=lambda m: (m.first_divergent_step, m.name))
+        m = comparison.first_divergence()
+        if m is not None:
             step = m.first_divergent_step
             assert step is not None
             result.disagreements.append(RankDisagreement(rank, m.name, step, m.b_value, m.a_value))
@@ -416,11 +415,8 @@ class Diagnosis:
 def _first_metric(comparison: Comparison | None) -> tuple[int | None, str | None]:
     if comparison is None:
         return None, None
-    bad = [m for m in comparison.failures if m.first_divergent_step is not None]
-    if not bad:
-        return None, None
-    m = min(bad, key=lambda m: (m.first_divergent_step, m.name))
-    return m.first_divergent_step, m.name
+    m = comparison.first_divergence()
+    return (None, None) if m is None else (m.first_divergent_step, m.name)
 
 
 # What a damaged diagnosis file raises (a JSON nested too deep, a file that is no UTF-8, a folder

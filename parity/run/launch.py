@@ -9,7 +9,7 @@ environment, and cleanup kills whatever still carries it.
 
 A job never outlives the harness, SIGKILL of the harness included: the process it starts
 (torchrun, or the plain job) is SIGKILLed by the kernel when the harness dies (PR_SET_PDEATHSIG),
-torchrun's ranks when torchrun dies (the start-up hook, parity/run/sitehook), and a watchdog
+torchrun's ranks when torchrun dies (the start-up hook, parity/rank/sitehook), and a watchdog
 process per launch (parity/run/watchdog.py) kills, when the harness ends, every process of the
 launch it saw: those carrying the launch id and every descendant, a helper started with an empty
 environment in a session of its own included.
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Protocol
 
+from parity.rank.pdeathsig import parent_death_signal
 from parity.run import stacks, world
 from parity.run.proc_scan import carrying, kill_carrying, scan_proc
 from parity.run.results import LaunchError, LaunchResult
-from parity.run.signals import deferred, parent_death_signal
+from parity.run.signals import deferred
 from parity.run.stall import Stalled
 from parity.run.torchrun_logs import (
     RankFailure,

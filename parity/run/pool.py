@@ -8,14 +8,15 @@ jobs of the same world size. The pytest plugin sends every job it can through a 
     run = pools.run(spec, out)   # a Run, as run_job gives it; None: launch this one alone
     pools.close()
 
-Each rank is a warm process (parity.run.inprocess): torch, numpy and the jobs' `preload` modules
-imported once, then a fresh child forked per job, which runs it as `python -m` would and exits,
-so nothing of one job reaches the next and its metrics are bitwise those of a launch of its own
-(tests/run/test_pool.py). A pool's ranks start before its jobs are known, so pools are kept by
-preload list too: a job only ever runs in a pool that imported its own list, and a module of
-it that fails to import is raised (SpecError), not skipped. Jobs
-reach the ranks as files in the pool's queue folder: `job-0000.json`, written atomically, which
-every rank reads; each rank answers `done-0000.rank<R>.json` once its child ended.
+Each rank is a warm process (parity.rank.serve, which runs in the user's ranks): torch, numpy
+and the jobs' `preload` modules imported once, then a fresh child forked per job, which runs it
+as `python -m` would and exits, so nothing of one job reaches the next and its metrics are
+bitwise those of a launch of its own (tests/run/test_pool.py). A pool's ranks start before its
+jobs are known, so pools are kept by preload list too: a job only ever runs in a pool that
+imported its own list, and a module of it that fails to import is raised (SpecError), not
+skipped. Jobs reach the ranks as files in the pool's queue folder: `job-0000.json`, written
+atomically, which every rank reads; each rank answers `done-0000.rank<R>.json` once its child
+ended (the queue's names: parity.rank.serve's).
 
 A job that fails takes its pool down: `run` returns None and the caller launches the job alone,
 which gives the faithful report; the next job starts a new pool. Ranks exit on their own once
@@ -24,7 +25,6 @@ the harness process is gone, so a killed pytest leaves no pool behind.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import threading
@@ -33,29 +33,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parity.rank.serve import POLL_S, done_file, job_file, job_name
+
 if TYPE_CHECKING:
     from parity.run.job import Run
     from parity.run.launch import LaunchResult
     from parity.spec import JobSpec
 
-POLL_S = 0.02  # how often an idle rank looks for its next job
 FOREVER_S = 7 * 24 * 3600.0  # the pool launch's own timeout; each job has its spec's
-
-
-def _job_file(queue: Path, n: int) -> Path:
-    return queue / f"job-{n:04d}.json"
-
-
-def _done_file(queue: Path, n: int, rank: int) -> Path:
-    return queue / f"done-{n:04d}.rank{rank}.json"
-
-
-def _job_name(n: int) -> str:
-    """Job n's name: its world records' folder (world/job-NNNN) and its rendezvous store's key."""
-    return f"job-{n:04d}"
-
-
-# --- harness side ---------------------------------------------------------------------------------
 
 
 class _Stopped(Exception):
@@ -90,7 +75,7 @@ class Pool:
         from parity.run.inprocess import preload_args
         from parity.run.launch import LaunchRequest, launch
 
-        args = ["-m", "parity.run.pool", "--queue", str(self.queue), "--parent", str(os.getpid())]
+        args = ["-m", "parity.rank.serve", "--queue", str(self.queue), "--parent", str(os.getpid())]
         args += preload_args(self.preload)
         try:
             request = LaunchRequest(
@@ -138,7 +123,7 @@ class Pool:
         logs = launch_folder / "logs" / "pool" / "attempt_0"  # torchrun's: <run>/attempt_0/<rank>/
         args = spec.to_args(out)
         write_json_atomic(
-            _job_file(self.queue, n), {"module": args[1], "args": args[2:], "logs": str(logs)}
+            job_file(self.queue, n), {"module": args[1], "args": args[2:], "logs": str(logs)}
         )
         records = self._wait(n, time.monotonic() + spec.timeout_s)
         if records is None or any(r["exitcode"] for r in records):
@@ -150,7 +135,7 @@ class Pool:
     def _wait(self, n: int, deadline: float) -> list[dict[str, Any]] | None:
         """Every rank's record of job n (rank 0's first), once each rank's child ended; None if
         the pool ended first or the job ran past its deadline (the pool is then killed)."""
-        done = [_done_file(self.queue, n, rank) for rank in range(self.nproc)]
+        done = [done_file(self.queue, n, rank) for rank in range(self.nproc)]
         try:
             while not all(path.exists() for path in done):
                 if any(path.exists() and json.loads(path.read_text())["exitcode"] for path in done):
@@ -176,7 +161,7 @@ class Pool:
         from parity.run.job import Run
         from parity.run.launch import LaunchResult
 
-        if world.judge(self.folder / "world" / _job_name(n), self.nproc):
+        if world.judge(self.folder / "world" / job_name(n), self.nproc):
             return None  # not the world asked for: launched alone, it is reported
         try:
             metrics = read_metrics(out)
@@ -205,7 +190,7 @@ class Pool:
 
         try:
             if not self._ended.is_set():
-                write_json_atomic(_job_file(self.queue, self.jobs), {"stop": True})
+                write_json_atomic(job_file(self.queue, self.jobs), {"stop": True})
                 self._ended.wait(grace_s)
         finally:  # interrupted (Ctrl-C, SIGTERM, SIGHUP) while waiting: kill the ranks now
             self.kill()
@@ -254,63 +239,3 @@ class Pools:
         finally:  # after an interruption, the pools not closed yet are killed at once
             for pool in pools:
                 pool.kill()
-
-
-# --- rank side ------------------------------------------------------------------------------------
-
-
-def _harness_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _next_job(queue: Path, n: int, parent: int) -> dict[str, Any] | None:
-    """Wait for job n; None once the harness that feeds this pool is gone."""
-    path, checked = _job_file(queue, n), time.monotonic()
-    while not path.exists():
-        time.sleep(POLL_S)
-        if time.monotonic() - checked > 1.0:
-            if not _harness_alive(parent):
-                return None
-            checked = time.monotonic()
-    return json.loads(path.read_text())
-
-
-def _serve(argv: list[str]) -> int:
-    """Fork a child per queued job (parity.run.inprocess.run_forked), one after the other; a job
-    that fails on this rank ends it, exiting as the job did."""
-    from parity.files import write_json_atomic
-    from parity.run.inprocess import preload, run_forked
-
-    parser = argparse.ArgumentParser(prog="python -m parity.run.pool")
-    parser.add_argument("--queue", type=Path, required=True)
-    parser.add_argument("--parent", type=int, required=True, help="exit once this pid is gone")
-    parser.add_argument("--preload", default="", help="modules to import first, comma-separated")
-    opts = parser.parse_args(argv)
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    preload([name for name in opts.preload.split(",") if name], opts.queue)
-    n = 0
-    while (job := _next_job(opts.queue, n, opts.parent)) is not None and not job.get("stop"):
-        logs = Path(job["logs"]) / str(local_rank)
-        record = run_forked(job["module"], job["args"], _job_name(n), logs)
-        write_json_atomic(_done_file(opts.queue, n, rank), record)
-        if record["exitcode"]:
-            return record["exitcode"]
-        n += 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Serve jobs as a torchrun rank until told to stop."""
-    from parity.run.inprocess import run_warm
-
-    run_warm(_serve, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 one line that names, per rank, the job's own line it is stuck at (the running layer).
 
 Every rank (and the plain job of a launch without torchrun) registers, through the start-up hook
-(parity/run/sitehook), a faulthandler dump of all its threads on ``STACK_SIGNAL``, a real-time
+(parity/rank/sitehook), a faulthandler dump of all its threads on ``STACK_SIGNAL``, a real-time
 signal no library installs a handler for (SIGUSR1 is Lightning's and Slurm's requeue signal),
 into ``<launch>/stacks/<host>-<pid>.txt``. ``collect`` sends it to each rank that has the
 handler (a process without it is left alone: the signal's default would kill it), waits for the

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,10 @@ def trace_first_divergence(
     *,
     run_job=None,
 ) -> TraceRerun:
-    """Rerun A and B (run before in `dirs`) up to `step` with it traced, into out/trace-{a,b}."""
+    """Rerun A and B (run before in `dirs`) up to `step` with it traced, into out/trace-{a,b}.
+
+    run_job: what runs each rerun (parity.run.job.run_job's call, that one by default), or one
+    per side ({"a": ..., "b": ...}: `parity check` reruns each revision in its worktree)."""
     if run_job is None:
         from parity.run.job import run_job
     result = TraceRerun(step=step)
@@ -107,7 +111,8 @@ def trace_first_divergence(
     start = time.perf_counter()
     for side, traced in reruns.items():
         folder = Path(out) / f"trace-{side}"
-        run_job(traced, folder, label=f"trace {side} step {step}")
+        run = run_job[side] if isinstance(run_job, Mapping) else run_job
+        run(traced, folder, label=f"trace {side} step {step}")
         result.dirs[side] = str(folder)
     result.seconds = time.perf_counter() - start
     result.resumed_from = resumed

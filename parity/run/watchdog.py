@@ -10,7 +10,7 @@ then it scans /proc every ``SCAN_S`` and remembers, by pid and start time, every
 launch: the one the harness started, each process carrying the launch id, and each descendant of
 one it already knows (by parent pid, caught while the parent lives, so a helper keeps being known
 after its parent died; one orphaned before the next scan, by a double fork, has been re-parented
-to the launch's root, a child subreaper: parity.run.signals.parent_death_signal). At end of
+to the launch's root, a child subreaper: parity.rank.pdeathsig.parent_death_signal). At end of
 file it SIGKILLs all of them still alive, and whatever they start meanwhile, then exits.
 
 Run as ``python -I -S watchdog.py LAUNCH_ID ROOT_PID`` with the pipe as stdin: standard library

@@ -1,6 +1,6 @@
 """The world a job really ran in: which process group each rank joined (the running layer).
 
-Every launch puts ``parity/run/sitehook`` first on its processes' PYTHONPATH; its sitecustomize
+Every launch puts ``parity/rank/sitehook`` first on its processes' PYTHONPATH; its sitecustomize
 writes one record per rank process (``<host>-<pid>.json`` in the launch's ``world/`` folder):
 torchrun's ranks (LOCAL_RANK set), and the ranks a plain job (``distributed = false``) starts
 itself, which a launcher gave RANK and WORLD_SIZE before their interpreter started (Ray's worker
@@ -23,8 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORLD_DIR_ENV = "PARITY_WORLD_DIR"
-HOOK_DIR = Path(__file__).resolve().parent / "sitehook"
+from parity.rank import HOOK_DIR, WORLD_DIR_ENV
 
 #: what a process group's absence most often means, by the launcher's words (said once)
 _HINT = (

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import parity.bisect
-import parity.check
+import parity.git
 from parity.bisect import bisect
 from parity.cli import main
 from tests.orchestration.history import commit_of, git, make_repo
@@ -114,7 +114,7 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
     trees = fake_runs(monkeypatch, restarted=True)
     reads, compares, gits = [], [], []
     real_read, real_compare, real_git = (
-        parity.bisect.read_metrics, parity.bisect.compare_frames, parity.check.git
+        parity.bisect.read_metrics, parity.bisect.compare_frames, parity.git.git
     )  # fmt: skip
 
     def read(path, fmt=None, **kw):
@@ -131,7 +131,7 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
 
     monkeypatch.setattr(parity.bisect, "read_metrics", read)
     monkeypatch.setattr(parity.bisect, "compare_frames", compare)
-    monkeypatch.setattr(parity.check, "git", git_call)
+    monkeypatch.setattr(parity.git, "git", git_call)
     policies = {"train/loss": "ulp:1@-3,exact@4-"}
     result = bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, policies=policies,
                     fmt="jsonl", duplicates="last", allow_skipped=True)  # fmt: skip
@@ -141,7 +141,7 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
     assert len(trees) == 4  # the reference, then each tested commit: all in this process
     assert all(r == ("jsonl", {"run": None, "duplicates": "last"}) for r in reads) and reads
     assert compares == [{"allow_skipped": True}] * 3
-    assert not [a for a in gits if "bisect" in a and "run" in a]
+    assert gits and not [a for a in gits if "bisect" in a and "run" in a]
     lines = progress_lines(capsys.readouterr().err)
     assert [(m[1], m[3], m[5]) for m in lines] == [
         ("1", commit_of(repo, 5)[:12], "diverged"),

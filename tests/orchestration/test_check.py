@@ -110,8 +110,8 @@ def test_refactor_that_changes_a_number_diverges_at_step_3(diverged, repo):
     loss = result["metrics"]["train/loss"]
     assert loss["status"] == "diverged" and loss["first_divergent_step"] == 3
     assert loss["a_value"] == 1.0 / 3 and loss["b_value"] == 1.0 / 3 * 1.0000001
-    assert result["a_rev"] == git(repo, "rev-parse", "HEAD~1").strip()
-    assert result["b_rev"] == after["head"].strip()
+    assert result["base"] == {"rev": "HEAD~1", "commit": git(repo, "rev-parse", "HEAD~1").strip()}
+    assert result["head"] == {"rev": "HEAD", "commit": after["head"].strip()}
     md = (out / "report.md").read_text()
     assert "diverged" in md and "| train/loss | diverged | exact | 5 | 3 |" in md
     assert (out / "report.html").is_file()
@@ -129,7 +129,7 @@ def test_same_revision_twice_is_aligned(repo, tmp_path, monkeypatch, capsys):
     before = snapshot(repo)
     code, result = _check(repo, monkeypatch, capsys, "--base", "HEAD", "--out", str(tmp_path))
     assert code == 0 and result["verdict"] == "aligned"
-    assert result["a_rev"] == result["b_rev"] == before["head"].strip()
+    assert result["base"]["commit"] == result["head"]["commit"] == before["head"].strip()
     assert snapshot(repo) == before
 
 
@@ -301,3 +301,105 @@ def test_check_reads_each_revision_s_run_in_the_spec_s_read_format(tmp_path, mon
     assert code == 0, said.out + said.err
     result = json.loads(said.out.strip().splitlines()[-1])
     assert result["verdict"] == "aligned" and result["metrics"]["train/loss"]["steps_compared"] == 3
+
+
+def test_check_runs_its_revisions_as_a_pair(repo, tmp_path, monkeypatch, capsys):
+    """check goes through pair's one path: run_sides once, its sides the two revisions (out/base
+    and out/head, each run in its worktree), then finish_pair once and one diagnosis; summary.json
+    is pair's with the revisions and the carried inputs added, and `--json` prints exactly it.
+    No real launch: head's fake run differs from step 3."""
+    import parity.pair
+
+    calls: dict[str, list] = {"run_sides": [], "finish_pair": [], "diagnose": [], "cwd": []}
+    real = (parity.check.run_sides, parity.check.finish_pair, parity.pair.diagnose)
+
+    def run_sides(*args, **kwargs):
+        calls["run_sides"].append([(s.folder, s.label) for s in kwargs["sides"]])
+        return real[0](*args, **kwargs)
+
+    def finish_pair(result, **kwargs):
+        calls["finish_pair"].append(result.names)
+        return real[1](result, **kwargs)
+
+    def diagnose(a, b, comparison=None):
+        calls["diagnose"].append((a.name, b.name))
+        return real[2](a, b, comparison)
+
+    def fake_launch(request):
+        args, cwd = request.module_or_script_args, Path(request.cwd)
+        out = Path(args[args.index("--out") + 1])
+        calls["cwd"].append((out.name, cwd.name, (cwd / "job.py").is_file()))
+        factor = 1.5 if out.name == "head" else 1.0
+        lines = [json.dumps({"step": i, "train/loss": 1.0 / i * (factor if i >= 3 else 1.0)})
+                 for i in range(1, 6)]  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("\n".join([*lines, '{"event": "end", "steps": 5}\n']))
+        return LaunchResult(0, False, 1.0, request.run_dir)
+
+    monkeypatch.setattr(parity.check, "run_sides", run_sides)
+    monkeypatch.setattr(parity.check, "finish_pair", finish_pair)
+    monkeypatch.setattr(parity.pair, "diagnose", diagnose)
+    monkeypatch.setattr(parity.run.job, "launch", fake_launch)
+    out = tmp_path / "check"
+    code, printed = _check(repo, monkeypatch, capsys, "--base", "HEAD~1", "--out", str(out))
+    base, head = (git(repo, "rev-parse", rev).strip() for rev in ("HEAD~1", "HEAD"))
+    labels = [("base", f"base HEAD~1 ({base[:12]})"), ("head", f"head HEAD ({head[:12]})")]
+    assert calls["run_sides"] == [labels] and calls["finish_pair"] == [("base", "head")]
+    assert calls["diagnose"] == [("base", "head")]
+    assert calls["cwd"] == [("base", base[:12], True), ("head", head[:12], True)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 1 and printed == summary  # --json: summary.json, nothing more or less
+    assert summary["verdict"] == summary["metrics_verdict"] == "diverged"
+    assert summary["base"] == {"rev": "HEAD~1", "commit": base}
+    assert summary["head"] == {"rev": "HEAD", "commit": head}
+    assert summary["carried"] == [] and summary["teardown"] == []
+    assert summary["a"]["dir"] == str(out / "base") and summary["b"]["dir"] == str(out / "head")
+    assert summary["metrics"]["train/loss"]["first_divergent_step"] == 3
+    assert {"kind", "lines", "ops"} <= set(summary["diagnosis"])  # pair's diagnosis
+    assert (out / "summary.md").read_text().startswith("# parity: diverged")
+    md = (out / "report.md").read_text()
+    assert f"base HEAD\\~1 ({base[:12]})" in md and f"base = HEAD\\~1 = {base}" in md
+
+
+def _worker_files(root: Path) -> dict[str, bytes]:
+    """The reference subject's package and its fixtures, as files to commit (no caches)."""
+    files = {}
+    for top in ("worker", "fixtures"):
+        for path in sorted((root / top).rglob("*")):
+            skip = {"__pycache__", "llm_parity_worker.egg-info"} & set(path.parts)
+            if path.is_file() and not skip:
+                files[str(path.relative_to(root))] = path.read_bytes()
+    return files
+
+
+def test_check_names_the_first_differing_op_of_a_numerics_change(tmp_path, monkeypatch, capsys):
+    """A commit that drops the loss's `* dp` (the missing-dp-factor mutant, written into the
+    code): the revisions diverge on the same batches, so check, as a pair, reruns each in its
+    worktree with the first divergent step traced and names the op the change was born in."""
+    repo = new_repo(tmp_path / "repo")
+    commit(repo, "base: the reference subject", _worker_files(Path(__file__).parents[2]))
+    losses = (repo / "worker" / "losses.py").read_text()
+    body = "    masked = values * mask.to(values.dtype)\n"
+    assert losses.count(body) == 1
+    dropped = (
+        "    import dataclasses\n\n    scale = dataclasses.replace(scale, dp=1)  # the bug\n" + body
+    )
+    commit(
+        repo,
+        "head: no dp factor",
+        {"worker/losses.py": losses.replace(body, dropped)},
+    )
+    spec = tmp_path / "spec.toml"
+    spec.write_text('task = "charcount-sft"\nworld_size = 2\nsteps = 2\ntrainer = "worker"\n')
+    monkeypatch.chdir(repo)
+    out = tmp_path / "out"
+    code = main(["check", "--base", "HEAD~1", "--spec", str(spec), "--out", str(out), "--json"])
+    said = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 1 and json.loads(said.out) == summary, said.err[-3000:]
+    assert summary["trace_rerun"]["step"] == 1, summary.get("trace_rerun")
+    ops = summary["diagnosis"]["ops"]
+    assert ops["status"] == "differ" and ops["first"]["op"] == "aten.mul.Tensor", ops["line"]
+    assert "scalar input differs: 2 vs 1" in ops["line"]
+    assert (out / "trace-a" / "ops").is_dir() and (out / "base" / "ops").is_dir()
+    assert "aten.mul.Tensor" in (out / "report.md").read_text()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.check import RevisionError, resolve_revision
+from parity.git import RevisionError, resolve_revision
 from tests.orchestration.history import git
 
 SHALLOW = "(this is a shallow clone: fetch more history, e.g. git fetch --unshallow)"

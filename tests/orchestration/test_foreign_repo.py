@@ -253,9 +253,10 @@ def bisected(repo, tmp_path_factory):
 def test_the_refactor_is_aligned(refactor_check, repo):
     code, result, before, after, _, out = refactor_check
     assert (code, result["verdict"]) == (0, "aligned")
-    assert (result["a_rev"], result["b_rev"]) == (repo["base"], repo["refactor"])
+    assert (result["base"]["commit"], result["head"]["commit"]) == (repo["base"], repo["refactor"])
     for side in ("base", "head"):  # read from the Trainer's own file, by format detection
-        assert result["a" if side == "base" else "b"] == str(out / side / "trainer_state.json")
+        metrics = result["a" if side == "base" else "b"]["metrics"]
+        assert metrics == str(out / side / "trainer_state.json")
         assert not (out / side / "metrics.jsonl").exists()
     metrics = result["metrics"]
     for name in ("train/loss", "train/grad_norm", "train/learning_rate", "train/train_loss"):
@@ -272,7 +273,7 @@ def test_the_refactor_is_aligned(refactor_check, repo):
 def test_the_warmup_change_diverges_at_step_2(head_check, repo):
     code, result, before, after, _, out = head_check
     assert (code, result["verdict"]) == (1, "diverged")
-    assert (result["a_rev"], result["b_rev"]) == (repo["base"], repo["print"])
+    assert (result["base"]["commit"], result["head"]["commit"]) == (repo["base"], repo["print"])
     metrics = result["metrics"]
     lr, loss = metrics["train/learning_rate"], metrics["train/loss"]
     assert lr["status"] == "diverged" and lr["first_divergent_step"] == 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from parity.judge.compare import compare_frames
+from parity.rank.mutants import catalogues
 from parity.readers import read_metrics
 from parity.run import world
 from parity.run.inprocess import command
@@ -22,7 +23,7 @@ from parity.run.job import run_job
 from parity.run.launch import LaunchRequest, launch
 from parity.run.pool import Pools
 from parity.spec import JobSpec
-from parity.tasks import catalogues, load_catalogue, registered
+from parity.tasks import load_catalogue, registered
 
 #: its data order comes from the clock: no two runs alike, however launched (the noise floor's)
 NONDETERMINISTIC = {"sampler-seed-from-time"}

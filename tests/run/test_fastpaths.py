@@ -1,5 +1,5 @@
 """The fast paths (an in-process pair, a warm pool) give the bits of plain launches, whatever the
-jobs before did: each job runs in a fresh child of the warm rank process (parity.run.inprocess).
+jobs before did: each job runs in a fresh child of the warm rank process (parity.rank.warm).
 
 A job that switches a shared library (a package of neither side's) to an "old kernel" through a
 module global must not pass that switch on to the job after it, even where the warm ranks

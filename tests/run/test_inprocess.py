@@ -18,14 +18,8 @@ import pytest
 
 from parity import assert_parity
 from parity.files import launch_dir
-from parity.run.inprocess import (
-    PRELOAD_ERROR,
-    SEPARATOR,
-    _parse,
-    command,
-    raise_preload_error,
-    refusal,
-)
+from parity.rank.warm import PRELOAD_ERROR, SEPARATOR, _parse
+from parity.run.inprocess import command, raise_preload_error, refusal
 from parity.spec import JobSpec, PairSpec, SpecError
 from tests.needs import subject
 from tests.specs import LAUNCH_MODES
@@ -108,11 +102,11 @@ def test_command_runs_each_side_with_its_own_mutants(tmp_path):
     base = JobSpec(task="charcount-sft", world_size=2, inject=["lr-before-step"])
     specs = [JobSpec(task="charcount-sft", world_size=2, trainer="legacy"), base]
     args = command(specs, [tmp_path / "a", tmp_path / "b"], tmp_path / "t.json")
-    assert args[:2] == ["-m", "parity.run.inprocess"] and args.count("parity.run.mutants") == 1
+    assert args[:2] == ["-m", "parity.rank.warm"] and args.count("parity.rank.mutants") == 1
     opts, sides = _parse(args[2:])
-    assert [m for m, _ in sides] == ["worker.sft", "parity.run.mutants"]
+    assert [m for m, _ in sides] == ["worker.sft", "parity.rank.mutants"]
     assert sides[0][1][sides[0][1].index("--trainer") + 1] == "legacy"
-    side_args = sides[1][1]  # parity.run.mutants's: the mutants, then the job
+    side_args = sides[1][1]  # parity.rank.mutants's: the mutants, then the job
     assert side_args[:4] == ["--mutants", "lr-before-step", "-m", "worker.sft"]
     assert side_args[side_args.index("--out") + 1] == str(tmp_path / "b")
     assert opts.timing == tmp_path / "t.json" and SEPARATOR not in side_args
@@ -139,11 +133,11 @@ if __name__ == "__main__":
 
 
 def _sides_without_torchrun(tmp_path: Path, *sides: list[str]) -> subprocess.CompletedProcess:
-    """`python -m parity.run.inprocess` with these sides of statejob_demo, as one rank."""
+    """`python -m parity.rank.warm` with these sides of statejob_demo, as one rank."""
     (tmp_path / "sharedstate.py").write_text("CALLS = []\ndef note():\n    CALLS.append(1)\n"
                                              "    return len(CALLS)\n")  # fmt: skip
     (tmp_path / "statejob_demo.py").write_text(SIDE)
-    cmd = [sys.executable, "-m", "parity.run.inprocess"]
+    cmd = [sys.executable, "-m", "parity.rank.warm"]
     for k, args in enumerate(sides):
         cmd += [SEPARATOR] * bool(k) + ["-m", "statejob_demo", *args]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
@@ -182,7 +176,7 @@ def test_the_preload_is_imported_first_and_each_side_gets_it_fresh(tmp_path):
     (tmp_path / "sharedstate.py").write_text(PRELOADED)
     (tmp_path / "preloaded_demo.py").write_text(PRELOADED_JOB)
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    cmd = [sys.executable, "-m", "parity.run.inprocess", "--preload", "sharedstate",
+    cmd = [sys.executable, "-m", "parity.rank.warm", "--preload", "sharedstate",
            "-m", "preloaded_demo", str(a), SEPARATOR, "-m", "preloaded_demo", str(b)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
@@ -196,7 +190,7 @@ def test_a_preload_that_fails_to_import_ends_the_rank_with_one_line(tmp_path):
     (tmp_path / "statejob_demo.py").write_text(SIDE)
     (tmp_path / "broken_boot.py").write_text("raise RuntimeError('no GPU here\\nsecond line')\n")
     a = tmp_path / "a.json"
-    cmd = [sys.executable, "-m", "parity.run.inprocess", "--timing", str(tmp_path / "t.json"),
+    cmd = [sys.executable, "-m", "parity.rank.warm", "--timing", str(tmp_path / "t.json"),
            "--preload", "broken_boot", "-m", "statejob_demo", str(a)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)

@@ -1,4 +1,5 @@
-"""Warm pools (parity.run.pool): many jobs in one launch give the bits separate launches give.
+"""Warm pools (parity.run.pool; their ranks: parity.rank.serve): many jobs in one launch give the
+bits separate launches give.
 
 The parity test runs, in one pool after a job that failed there (so in the second pool): a job
 with a mutant that patches torch itself, then the clean job, then the legacy trainer, and
@@ -91,7 +92,7 @@ def test_a_pool_rank_runs_queued_jobs_then_stops(tmp_path):
         (queue / f"job-{n:04d}.json").write_text(json.dumps(job))
     (queue / "job-0002.json").write_text(json.dumps({"stop": True}))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "parity.run.pool", "--queue", str(queue),
+    cmd = [sys.executable, "-m", "parity.rank.serve", "--queue", str(queue),
            "--parent", str(os.getpid())]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -110,7 +111,8 @@ def test_a_pool_rank_exits_when_its_harness_is_gone(tmp_path):
     queue.mkdir()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout  # fmt: skip
-    cmd = [sys.executable, "-m", "parity.run.pool", "--queue", str(queue), "--parent", gone.strip()]
+    cmd = [sys.executable, "-m", "parity.rank.serve", "--queue", str(queue),
+           "--parent", gone.strip()]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
@@ -122,7 +124,7 @@ def test_a_pool_rank_whose_preload_fails_runs_nothing(tmp_path):
     queue.mkdir()
     job = {"module": "json.tool", "args": ["--help"], "logs": str(tmp_path / "logs")}
     (queue / "job-0000.json").write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "parity.run.pool", "--queue", str(queue),
+    cmd = [sys.executable, "-m", "parity.rank.serve", "--queue", str(queue),
            "--parent", str(os.getpid()), "--preload", "json,no_such_module_here"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     line = "preload: cannot import 'no_such_module_here': ModuleNotFoundError: No module named"

@@ -211,7 +211,7 @@ def test_check_and_bisect_through_slurm_name_the_planted_commit(cluster, tmp_pat
                    cwd=repo)  # fmt: skip
     assert check.returncode == 1, check.stderr
     found = json.loads(check.stdout)
-    assert found["b_rev"] == commit_of(repo, 3) and found["verdict"] == "diverged"
+    assert found["head"]["commit"] == commit_of(repo, 3) and found["verdict"] == "diverged"
     ids = {json.loads((tmp_path / "check" / f"{d}.launch" / "topology.json").read_text())["job_id"]
            for d in ("base", "head")}  # fmt: skip
     assert len(ids) == 1  # both revisions in one allocation

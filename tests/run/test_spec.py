@@ -25,7 +25,7 @@ def test_sft_args(tmp_path: Path) -> None:
         inject=["no_clip", "bad_scale"],
     )  # fmt: skip
     assert spec.to_args(tmp_path) == [
-        "-m", "parity.run.mutants", "--mutants", "no_clip,bad_scale",
+        "-m", "parity.rank.mutants", "--mutants", "no_clip,bad_scale",
         "-m", "worker.sft", "--trainer", "legacy", "--out", str(tmp_path),
         "--steps", "5", "--seed", "3", "--engine", "ddp", "--global-batch-size", "16",
         "--micro-batch-size", "4", "--max-tokens-per-rank", "512", "--model", "/m",

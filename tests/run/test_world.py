@@ -1,4 +1,4 @@
-"""The world a job really ran in (parity.run.world, parity/run/sitehook): a side whose ranks did
+"""The world a job really ran in (parity.run.world, parity/rank/sitehook): a side whose ranks did
 not form
 one process group of the requested size, or formed one and never used it, is failed, never
 judged; with the spec's [env] the same script forms its world and a 2-rank-only bug is caught."""

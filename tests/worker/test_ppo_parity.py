@@ -1,6 +1,6 @@
 """Legacy vs engine PPO on charcount RL, 2 ranks under torchrun: every update metric bitwise equal.
 
-Each claim is paired with a mutant (applied to side B by parity.run.mutants) that the check must
+Each claim is paired with a mutant (applied to side B by parity.rank.mutants) that the check must
 catch.
 """
 

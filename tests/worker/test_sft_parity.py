@@ -1,6 +1,6 @@
 """Legacy vs worker SFT on charcount, 2 ranks under torchrun: every metric bitwise equal.
 
-Each claim is paired with a mutant (a deliberately broken worker, applied by parity.run.mutants)
+Each claim is paired with a mutant (a deliberately broken worker, applied by parity.rank.mutants)
 that the same check must catch.
 """
 
