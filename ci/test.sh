@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: make a venv from the project's own files, then run every test
-# (fast unit tests and the multi-rank `parity` ones). Usage: bash ci/test.sh [pytest args...]
+# (fast unit tests on both cores, then the multi-rank `parity` ones). Usage: bash ci/test.sh
+# [pytest args...] (a path, -k or -m given: one pytest run of just that)
 # (-h or --help first: this text, and nothing else; pytest's own help: .venv/bin/pytest --help)
 case "${1:-}" in  # -h/--help: the usage above, and nothing else
     -h | --help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -26,4 +27,15 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/python" -m ruff check worker parity subjects tests benchmarks ci
 "$VENV/bin/python" -m ruff format --check --quiet worker parity subjects tests benchmarks ci
-exec "$VENV/bin/python" -m pytest "$@"
+# With no test selected by the caller (no path, -k or -m: CI's run), two passes: the fast tests
+# on both cores (pytest-xdist: they are one process each), then the multi-rank `parity` ones one
+# at a time (each launch takes the cores); both always run, and either failing fails the run.
+for arg in "$@"; do
+    case "$arg" in
+        -k | -m | -k* | -m* | -n | -n* | -p | -p* | [!-]*) exec "$VENV/bin/python" -m pytest "$@" ;;
+    esac
+done
+fast=0
+"$VENV/bin/python" -m pytest -m "not parity" -n 2 "$@" || fast=$?
+"$VENV/bin/python" -m pytest -m parity "$@" || exit $?
+exit "$fast"

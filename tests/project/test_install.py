@@ -22,8 +22,8 @@ The harness's wheel (built once a session from this tree, no extras) goes into:
   as one plain process (distributed = false, no torchrun), and in each user's torch's under that
   torch's own torchrun (distributed = true, a world of 1: its launch, log layout and exit);
 - the HF callback (tests/jobs/hf_callback_run.py, as tests/record/test_recorder.py runs it) under
-  transformers 4.57.1 (cached env `hf-4.57.1`: torch 2.13.0, accelerate 1.11.0) and 5.24.0 (the
-  TRL subject's env: accelerate 1.16.0, trl 1.16.0).
+  transformers 4.57.1 (cached env `hf-4.57.1`: torch 2.13.0, accelerate 1.11.0), the oldest
+  tested; the newest, 5.24.0, is the suite's own, where test_recorder.py runs it.
 
 A user's environment is a clone of a cached one (subjects.envs.clone: a fresh venv whose
 site-packages are hard links of the cached env's), so pip sees torch installed in the venv it
@@ -93,12 +93,14 @@ USER_TORCH_ENVS = {
 KEEP_BY_CONSTRAINTS = {"2.4.1"}
 USER_TORCH_DISK = 8 << 30  # free bytes a first build needs (~5 GB each, and pip's downloads)
 TRACE_STEP = 3  # the step foreign_loop.py traces: its planted bugs start there (PLANT_STEP)
+#: the user's transformers the HF callback is installed under: the oldest tested; the newest,
+#: 5.24.0 (with accelerate 1.16.0), is the suite's own, where tests/record/test_recorder.py runs
+#: the same job, and pip leaving a user's packages as they were is shown on every env here
 HF_ENVS = {
     "4.57.1": EnvSpec(
         "hf-4.57.1",
         requirements=("torch==2.13.0", "transformers==4.57.1", "accelerate==1.11.0"),
     ),
-    "5.24.0": None,  # the TRL subject's env (subjects.hf.train_trl.REQUIREMENTS)
 }
 
 
@@ -498,13 +500,8 @@ def test_pip_leaves_the_users_torch_and_the_recorder_runs_on_it(
 
 
 def _hf_env(version: str) -> Path:
-    spec = HF_ENVS[version]
     try:
-        if spec is None:
-            from subjects.hf.train_trl import env_python
-
-            return env_python()
-        return ensure(spec)
+        return ensure(HF_ENVS[version])
     except EnvUnavailable as e:
         pytest.skip(f"no transformers {version} env: {e}")
 

@@ -46,6 +46,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -243,16 +244,37 @@ def _one_side_against(workers: str, out: Path, flags: list[str], other: Path, or
         [sys.executable, "-m", "parity.cli", "compare", *sides, "--json", *policies],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    return {"rc": proc.returncode, "result": json.loads(proc.stdout), "left": _left(python)}
+    return {"rc": proc.returncode, "result": json.loads(proc.stdout)}
 
 
 @pytest.fixture(scope="module")
-def mutant(pair, tmp_path_factory) -> dict:
-    """The pitfall: the legacy side keeping verl's critic default (use_remove_padding=False),
-    compared with the pair's engine side (which ignores the key) under the spec's policies."""
-    out = tmp_path_factory.mktemp("verl-ppo-mutant") / "a"
-    flags = ["--critic-remove-padding", "False"]
-    return _one_side_against("legacy", out, flags, pair["out"] / "b", "ab")
+def one_sides(pair, tmp_path_factory) -> dict:
+    """The pitfall's and the plant's one-side runs at once, each a local Ray cluster of its own
+    (most of a side's time is Ray's and verl's start-up, which leaves the cores idle; the bits
+    do not depend on the schedule); what the environment left running is read after both."""
+    runs = {
+        # the pitfall: the legacy side keeping verl's critic default (use_remove_padding=False),
+        # against the pair's engine side (which ignores the key) under the spec's policies
+        "mutant": ("legacy", "verl-ppo-mutant", "a", ["--critic-remove-padding", "False"], "b"),
+        # the plant: the engine side fed step 1's prompts again at step 2, against the pair's
+        # legacy side, both with the rollout's data digests
+        "planted": ("engine", "verl-ppo-planted", "b", ["--record", "--plant", "repeat-batch@2"],
+                    "a"),
+    }  # fmt: skip
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {
+            name: pool.submit(_one_side_against, workers, tmp_path_factory.mktemp(folder) / side,
+                              flags, pair["out"] / other, "ab" if side == "a" else "ba")
+            for name, (workers, folder, side, flags, other) in runs.items()
+        }  # fmt: skip
+        done = {name: future.result() for name, future in futures.items()}
+    left = _left(_env_python())
+    return {name: {**result, "left": left} for name, result in done.items()}
+
+
+@pytest.fixture(scope="module")
+def mutant(one_sides) -> dict:
+    return one_sides["mutant"]
 
 
 @pytest.mark.parity
@@ -271,12 +293,8 @@ def test_mutant_critic_padding_diverges_at_the_critic_only(mutant):
 
 
 @pytest.fixture(scope="module")
-def planted(pair, tmp_path_factory) -> dict:
-    """The engine side fed step 1's prompts again at step 2 (the rollout's plant), compared with
-    the pair's legacy side, both with the rollout's data digests."""
-    out = tmp_path_factory.mktemp("verl-ppo-planted") / "b"
-    flags = ["--record", "--plant", "repeat-batch@2"]
-    return _one_side_against("engine", out, flags, pair["out"] / "a", "ba")
+def planted(one_sides) -> dict:
+    return one_sides["planted"]
 
 
 @pytest.mark.parity
