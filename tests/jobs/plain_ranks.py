@@ -12,12 +12,13 @@ replaces it instead of adding to it would (the harness's start-up hook is then g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from plain_job import write_metrics  # this folder: the plain job's 5 steps
 
 RANK = """\
 import os, torch, torch.distributed as dist
@@ -35,13 +36,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rank_env(rank: int, args: argparse.Namespace, port: int) -> dict[str, str]:
-    """The rank's variables, on top of this process's (what Ray does with runtime_env)."""
-    if args.broken:  # a world of one, with a store of its own
+def rank_variables(rank: int, broken: bool, port: int) -> dict[str, str]:
+    """What a launcher gives rank ``rank`` of a world of 2 before it starts (verl's
+    RayWorkerGroup: in the actor's runtime_env), or with ``broken`` a world of one with a store
+    of its own. tests/jobs/ray_world.py gives its actors the same."""
+    if broken:
         ranks = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
     else:
         ranks = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_PORT": str(port)}
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **ranks}
+    return {"MASTER_ADDR": "127.0.0.1", **ranks}
+
+
+def rank_env(rank: int, args: argparse.Namespace, port: int) -> dict[str, str]:
+    """The rank's variables, on top of this process's (what Ray does with runtime_env)."""
+    env = {**os.environ, **rank_variables(rank, args.broken, port)}
     if args.replace_pythonpath:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
     return env
@@ -61,11 +69,7 @@ def main() -> None:
     codes = [proc.wait(timeout=120) for proc in ranks]
     if any(codes):
         sys.exit(f"ranks exited {codes}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "metrics.jsonl", "w") as f:
-        for step in range(1, 6):
-            f.write(json.dumps({"step": step, "train/loss": 1.0 / step}) + "\n")
-        f.write(json.dumps({"event": "end", "steps": 5}) + "\n")
+    write_metrics(args.out, 1.0)
 
 
 if __name__ == "__main__":

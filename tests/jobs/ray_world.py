@@ -18,26 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
+# this folder (the script's): the plain job's 5 steps, and the rank variables of a world of 2
+from plain_job import write_metrics
+from plain_ranks import free_port, rank_variables
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def actor_env(rank: int, broken: bool, port: int) -> dict[str, str]:
-    """The actor's runtime_env env_vars, as verl's RayWorkerGroup sets them (or a world of one)."""
-    if broken:
-        return {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port())}  # fmt: skip
-    return {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}  # fmt: skip
 
 
 def driver(broken: bool) -> None:
@@ -61,7 +49,7 @@ def driver(broken: bool) -> None:
 
     port = free_port()
     actors = [
-        Rank.options(runtime_env={"env_vars": actor_env(r, broken, port)}).remote()
+        Rank.options(runtime_env={"env_vars": rank_variables(r, broken, port)}).remote()
         for r in range(2)
     ]
     print(json.dumps(ray.get([a.run.remote() for a in actors], timeout=120)), flush=True)
@@ -92,10 +80,7 @@ def main() -> int:
     if rc:
         print(f"ray driver exited {rc}; see {args.out / 'driver.log'}", file=sys.stderr)
         return rc
-    with open(args.out / "metrics.jsonl", "w") as f:
-        for step in range(1, 6):
-            f.write(json.dumps({"step": step, "train/loss": 1.0 / step}) + "\n")
-        f.write(json.dumps({"event": "end", "steps": 5}) + "\n")
+    write_metrics(args.out, 1.0)
     return 0
 
 
