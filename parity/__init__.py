@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from parity.readers import read_metrics
     from parity.run.job import run_job
     from parity.spec import JobSpec, PairSpec
+    from parity.store import RunStore
 
 #: each public name and the module it lives in
 _HOMES = {
@@ -41,11 +42,12 @@ _HOMES = {
     "assert_parity": "parity.plugin",
     "InputError": "parity.errors",
     "SpecError": "parity.errors",
+    "RunStore": "parity.store",
 }
 
 __all__ = [
-    "InputError", "JobSpec", "PairSpec", "Policy", "SpecError", "assert_parity", "bisect",
-    "check_revisions", "compare_frames", "read_metrics", "run_job", "run_pair",
+    "InputError", "JobSpec", "PairSpec", "Policy", "RunStore", "SpecError", "assert_parity",
+    "bisect", "check_revisions", "compare_frames", "read_metrics", "run_job", "run_pair",
 ]  # fmt: skip
 
 

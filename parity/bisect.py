@@ -40,12 +40,13 @@ from parity.git import (
 )
 from parity.judge.compare import Comparison, Policy, compare_frames, json_value
 from parity.outdir import OutDir, write_json_new, write_new
-from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics
+from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics, skipped_count
 from parity.record.runfolder import metrics_path
 from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
 from parity.run.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
+from parity.store import RunKey, RunStore, run_key, tree_of
 
 __all__ = ["BisectResult", "TestedCommit", "bisect"]
 
@@ -70,6 +71,7 @@ class TestedCommit:
     b_value: float | None = None
     run: str | None = None
     error: str | None = None
+    reused: bool = False  # its run came from the run store (parity.store)
 
 
 @dataclass
@@ -86,6 +88,7 @@ class BisectResult:
     candidates: list[str] = field(default_factory=list)
     tested: list[TestedCommit] = field(default_factory=list)
     carried: list[dict[str, Any]] = field(default_factory=list)  # parity.carry: path, size, sha256
+    reference: dict[str, Any] = field(default_factory=dict)  # the good run: reused, confirmed
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, non-finite floats as strings."""
@@ -103,6 +106,7 @@ class BisectResult:
             "candidates": self.candidates,
             "tested": [clean(t) for t in self.tested],
             "carried": self.carried,
+            "reference": self.reference,
         }
 
     @property
@@ -135,8 +139,11 @@ class BisectResult:
                 f"  first divergence: {t.metric} at step {t.step} (policy {t.policy}): "
                 f"good {t.a_value!r}, this commit {t.b_value!r}"
             )
+        if self.reference.get("line"):
+            lines.append(f"good: {self.reference['line']}")
         for t in self.tested:
-            lines.append(f"  tested {t.commit[:12]} {t.verdict:<8} {t.subject}")
+            reused = " (reused run)" if t.reused else ""
+            lines.append(f"  tested {t.commit[:12]} {t.verdict:<8} {t.subject}{reused}")
         return "\n".join(lines)
 
 
@@ -172,48 +179,25 @@ class _Reading:
         )
 
 
-def _test_commit(
-    spec: JobSpec,
-    tree: Path,
-    reference: Path,
-    out: Path,
-    policies: dict[str, Policy | str],
-    skip_failed: bool = True,
-    reading: _Reading | None = None,
-    carry: Carry | None = None,
+def _judge(
+    tested: TestedCommit, reference: Path, run_dir: Path, policies, reading: _Reading
 ) -> TestedCommit:
-    """Run the spec in ``tree`` (at some commit), compare with the reference, record the verdict
-    in out/commits/<sha>/verdict.json. A failed or unreadable run is "skipped" (with
-    skip_failed; else its LaunchError or MetricsError is raised)."""
-    commit = quiet_git(tree, "rev-parse", "HEAD")
-    run_dir = out / "commits" / commit[:12]
-    tested = TestedCommit(commit, subject(tree, commit), "skipped", run=str(run_dir))
-    if carry is not None:
-        carry.into(tree)  # again where the last commit's run changed the copies
-    try:
-        reading = reading or _Reading()
-        label = f"commit {commit[:12]}"
-        run_in_tree(spec, tree, run_dir, label=label, carry=carry, read=reading.options())
-        comparison = reading.compare(reference, run_dir, policies)
-    except (LaunchError, MetricsError) as e:
-        if not skip_failed:
-            raise
-        tested.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    else:
-        tested.verdict = comparison.verdict
-        # a metric missing on one side has no step: named all the same
-        m = comparison.first_divergence() or next(iter(comparison.failures), None)
-        if m is not None:
-            tested.metric, tested.step = m.name, m.first_divergent_step
-            tested.policy = m.first_divergent_policy or m.policy
-            tested.a_value, tested.b_value = m.a_value, m.b_value
-    write_json_atomic(run_dir / "verdict.json", json_value(asdict(tested)))
+    """``tested`` with its verdict against the reference and, where it diverged, the first
+    divergent metric (a metric missing on one side has no step: named all the same)."""
+    comparison = reading.compare(reference, run_dir, policies)
+    tested.verdict, tested.error = comparison.verdict, None
+    m = comparison.first_divergence() or next(iter(comparison.failures), None)
+    if m is not None:
+        tested.metric, tested.step = m.name, m.first_divergent_step
+        tested.policy = m.first_divergent_policy or m.policy
+        tested.a_value, tested.b_value = m.a_value, m.b_value
     return tested
 
 
 @dataclass
 class _Bisection:
-    """One bisection's fixed inputs, and the commits tested so far (in test order)."""
+    """One bisection's fixed inputs, its runs (each commit's, made once, or taken from the run
+    store) and the commits tested so far (in test order)."""
 
     spec: JobSpec
     reference: Path
@@ -225,24 +209,89 @@ class _Bisection:
     total: int  # about how many commits it tests, the bad one included (for progress lines)
     carry: Carry | None = None  # parity.carry: the inputs copied into the worktree
     tested: dict[str, TestedCommit] = field(default_factory=dict)
+    store: RunStore | None = None  # parity.store: runs reused and kept
+    fresh: bool = False  # run every commit, whatever is stored (runs are still kept)
+    root: Path | None = None  # the repository (the store's keys: a commit's tree)
+    runs: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # commit: (run, reused)
+    reference_line: str = ""  # "reused run of ..." when the good run came from the store
+    confirmed: str = ""  # how a reused good run was confirmed ('' until it is)
 
-    def test(self, tree: Path, skip_failed: bool = True) -> TestedCommit:
-        """Test the commit checked out in ``tree``; one progress line on stderr."""
-        t = _test_commit(
-            self.spec, tree, self.reference, self.out, self.policies, skip_failed, self.reading,
-            self.carry,
-        )  # fmt: skip
+    def key(self, commit: str) -> RunKey:
+        inputs = [c.to_dict() for c in self.carry.carried] if self.carry is not None else []
+        return run_key(self.spec, tree_of(self.root, commit), inputs)
+
+    def obtain(
+        self, tree: Path, commit: str, run_dir: Path, label: str, fresh: bool = False
+    ) -> str:
+        """``commit``'s run in ``run_dir``: taken from the store where stored (not with
+        ``fresh``; returns how it names that run, "reused run of ... from ..."), else run in
+        ``tree`` and stored (returns ''); LaunchError or MetricsError when the run fails."""
+        if self.store is not None and not (self.fresh or fresh):
+            got = self.store.get(self.key(commit), run_dir)
+            if got is not None:
+                _say(f"{label}: {got.line()}")
+                return got.line()
+        if self.carry is not None:
+            self.carry.into(tree)  # again where the last commit's run changed the copies
+        read = self.reading.options()
+        launch = run_in_tree(self.spec, tree, run_dir, label=label, carry=self.carry, read=read)
+        if self.store is not None and launch.ok and not skipped_count(self.reading.frame(run_dir)):
+            meta = {"rev": commit, "commit": commit, "seconds": launch.duration_s}
+            with contextlib.suppress(OSError):  # a full disk costs a later command a run
+                self.store.put(self.key(commit), run_dir, meta)
+        return ""
+
+    def test(self, tree: Path, skip_failed: bool = True, again: bool = False) -> TestedCommit:
+        """Test the commit checked out in ``tree`` (its run made once per bisection, or reused;
+        ``again``: run now whatever there is); one progress line on stderr. A fresh run aligned
+        with a reused good run confirms that one."""
+        commit = quiet_git(tree, "rev-parse", "HEAD")
+        t = self._tested(tree, commit, skip_failed, again)
+        if not t.reused and t.verdict == "aligned" and self.reference_line and not self.confirmed:
+            self.confirmed = f"a fresh run of {commit[:12]} is aligned with it"
         self.tested[t.commit] = t
         self.total = max(self.total, len(self.tested))
-        _say(f"[{len(self.tested)}/~{self.total}] {t.commit[:12]} {t.subject}: {t.verdict}")
+        reused = " (reused run)" if t.reused else ""
+        _say(f"[{len(self.tested)}/~{self.total}] {t.commit[:12]} {t.subject}: {t.verdict}{reused}")
         return t
+
+    def _tested(
+        self, tree: Path, commit: str, skip_failed: bool, again: bool = False
+    ) -> TestedCommit:
+        """``commit``'s run (made now, or earlier in this bisection, or reused) judged against
+        the reference; written to its run folder's verdict.json. A failed or unreadable run is
+        "skipped" (with skip_failed; else its LaunchError or MetricsError is raised)."""
+        name = commit[:12] + ("-fresh" if again else "")
+        run_dir = self.out / "commits" / name
+        tested = TestedCommit(commit, subject(tree, commit), "skipped", run=str(run_dir))
+        try:
+            if again or commit not in self.runs:
+                reused = self.obtain(tree, commit, run_dir, f"commit {name}", fresh=again)
+                self.runs[commit] = (run_dir, bool(reused))
+            run_dir, tested.reused = self.runs[commit]
+            tested.run = str(run_dir)
+            _judge(tested, self.reference, run_dir, self.policies, self.reading)
+        except (LaunchError, MetricsError) as e:
+            if not skip_failed:
+                raise
+            tested.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        write_json_atomic(run_dir / "verdict.json", json_value(asdict(tested)))
+        return tested
 
     def result(self, verdict: str, **kw: Any) -> BisectResult:
         tested = list(self.tested.values())
         carried = [c.to_dict() for c in self.carry.carried] if self.carry is not None else []
         return BisectResult(
-            verdict, self.good, self.bad, self.out, tested=tested, carried=carried, **kw
-        )
+            verdict, self.good, self.bad, self.out, tested=tested, carried=carried,
+            reference=self.reference_info(), **kw,
+        )  # fmt: skip
+
+    def reference_info(self) -> dict[str, Any]:
+        """bisect.json's ``reference``: its run, and whether it was reused and how confirmed."""
+        reference = {"dir": str(self.reference), "reused": bool(self.reference_line)}
+        if self.reference_line:
+            reference.update(line=self.reference_line, confirmed=self.confirmed)
+        return reference
 
 
 def _job_spec(spec: JobSpec | str | Path) -> JobSpec:
@@ -267,8 +316,16 @@ def bisect(
     duplicates: str = "error",
     allow_skipped: bool = False,
     carry: Sequence[CarryItem | str] = (),
+    store: RunStore | None = None,
+    fresh: bool = False,
 ) -> BisectResult:
     """Find the first commit in good..bad whose run diverges from good's run.
+
+    store: a run store (parity.store): the good run and each commit's run are taken from it
+    where stored, and every run that finished is kept there. A stale key costs runs, never a
+    wrong answer: what the answer rests on is confirmed by fresh runs at the end (`_confirm`),
+    and the bisection walked again, each commit's run kept, where that changes anything.
+    fresh: run everything, whatever is stored (the runs are still kept).
 
     Writes the reference run to out/good, each tested commit's run and verdict.json to
     out/commits/<sha>, and out/bisect.json and out/bisect.log; one progress line per tested
@@ -297,51 +354,89 @@ def bisect(
         held.claim(*BISECT_ENTRIES)  # refused if an earlier bisect's or the user's is in the way
         held.make_dir("commits")
         with holding(spec, held) as shared:  # Slurm: every probe on the same nodes
-            return _bisect(spec, root, good_c, bad_c, out, policies, reading, shared, carried)
+            state = _Bisection(
+                spec, out / "good", out, dict(policies or {}), reading, good_c, bad_c,
+                _expected_tests(root, good_c, bad_c), carried, store=store, fresh=fresh,
+                root=root,
+            )  # fmt: skip
+            return _bisect(state, shared)
 
 
 #: what a bisection writes in its folder: the reference run, the tested commits' runs and
 #: verdicts, the result and git's log
 BISECT_ENTRIES = (
-    "good", "good" + LAUNCH_SUFFIX, "commits", ALLOCATION, "bisect.json", "bisect.log",
+    "good", "good" + LAUNCH_SUFFIX, "good-fresh", "good-fresh" + LAUNCH_SUFFIX, "commits",
+    ALLOCATION, "bisect.json", "bisect.log",
 )  # fmt: skip
 
 
-def _bisect(
-    spec: JobSpec,
-    root: Path,
-    good_c: str,
-    bad_c: str,
-    out: Path,
-    policies: dict[str, Policy | str] | None,
-    reading: _Reading,
-    shared: Path | None = None,
-    carry: Carry | None = None,
-) -> BisectResult:
+def _bisect(state: _Bisection, shared: Path | None = None) -> BisectResult:
     """The bisection itself; ``shared``: where the worktrees go (a Slurm launcher's folder on
-    the file system the nodes share), default the system's temp folder; ``carry``: the inputs
-    copied into each worktree."""
-    reference = out / "good"
+    the file system the nodes share), default the system's temp folder."""
+    root, good_c, out = state.root, state.good, state.out
     with worktree(root, good_c, shared) as tree:
         _say(f"reference run of good {good_c[:12]} {subject(root, good_c)}")
-        if carry is not None:
-            carry.into(tree)
-        label = f"good {good_c[:12]}"
-        run_in_tree(spec, tree, reference, label=label, carry=carry, read=reading.options())
-    if reading.frame(reference).attrs.get("complete") is False:  # fail once, not in every step
-        raise MetricsError(f"{metrics_path(reference)}: the good run is incomplete")
-    state = _Bisection(
-        spec, reference, out, dict(policies or {}), reading, good_c, bad_c,
-        _expected_tests(root, good_c, bad_c), carry,
-    )  # fmt: skip
-    with worktree(root, bad_c, shared) as tree:
-        _say(f"checking that bad {bad_c[:12]} diverges")
-        if state.test(tree, skip_failed=False).verdict == "aligned":
-            result = state.result("aligned")
-        else:
-            result = _bisect_in(tree, state)
+        state.reference_line = state.obtain(tree, good_c, state.reference, f"good {good_c[:12]}")
+    if state.reading.frame(state.reference).attrs.get("complete") is False:  # fail once
+        raise MetricsError(f"{metrics_path(state.reference)}: the good run is incomplete")
+    result = _walk(state, shared)
+    while (again := _confirm(state, result, shared)) is not None:
+        result = again
+    result.reference = state.reference_info()
     write_json_new(out / "bisect.json", result.to_dict())
     return result
+
+
+def _walk(state: _Bisection, shared: Path | None) -> BisectResult:
+    """Test bad, then bisect good..bad against the reference."""
+    with worktree(state.root, state.bad, shared) as tree:
+        _say(f"checking that bad {state.bad[:12]} diverges")
+        if state.test(tree, skip_failed=False).verdict == "aligned":
+            return state.result("aligned")
+        return _bisect_in(tree, state)
+
+
+def _confirm(state: _Bisection, result: BisectResult, shared: Path | None) -> BisectResult | None:
+    """What a bisection's answer rests on, confirmed where a run of it was reused (a stale key
+    costs runs, never a wrong answer): a good run that no fresh run was aligned with, and a
+    first bad commit whose run was reused, each run again. None: the answer stands; else the
+    bisection walked again against what the fresh runs say (each commit's run kept, so only
+    commits not tested yet run)."""
+    changed = False
+    if state.reference_line and not state.confirmed:
+        changed = _rerun_reference(state, shared)
+    culprit = result.first_bad
+    if not changed and culprit is not None and culprit.reused:
+        with worktree(state.root, culprit.commit, shared) as tree:
+            _say(f"the first bad commit's run was reused: running {culprit.commit[:12]} again")
+            if state.store is not None:  # the run made now is kept in its place
+                state.store.forget(state.key(culprit.commit))
+            fresh = state.test(tree, again=True)
+        changed = fresh.verdict != "diverged"
+        if not changed:  # confirmed: the answer names the fresh run
+            result.first_bad, result.tested = fresh, list(state.tested.values())
+    if not changed:
+        return None
+    _say("a reused run was stale: bisecting again with the fresh runs")
+    state.tested = {}
+    return _walk(state, shared)
+
+
+def _rerun_reference(state: _Bisection, shared: Path | None) -> bool:
+    """The reused good run again (out/good-fresh): the same numbers confirm it (False); other
+    numbers make it stale (removed from the store) and the fresh run the reference (True)."""
+    fresh = state.out / "good-fresh"
+    with worktree(state.root, state.good, shared) as tree:
+        _say("the reused good run was never confirmed by a fresh run: running it again")
+        if state.store is not None:  # the run made now is kept in its place
+            state.store.forget(state.key(state.good))
+        state.obtain(tree, state.good, fresh, f"good {state.good[:12]} (again)", fresh=True)
+    if compare_frames(state.reading.frame(state.reference), state.reading.frame(fresh)).ok:
+        state.confirmed = "run again: the same numbers"
+        return False
+    state.reference = fresh
+    state.confirmed = "run again: stale (other numbers); bisected again against the fresh run"
+    return True
 
 
 def _expected_tests(root: Path, good_c: str, bad_c: str) -> int:

@@ -23,13 +23,15 @@ from typing import Any
 from parity.carry import Carry, CarryItem, carry_items
 from parity.files import launch_dir
 from parity.git import RevisionError, dirty, origin, repo_root, resolve_revision, worktree
-from parity.judge.compare import Comparison, Policy
+from parity.judge.compare import Comparison, Policy, compare_frames
 from parity.judge.diagnose import Diagnosis
+from parity.judge.golden import fingerprint
 from parity.outdir import OutDir
 from parity.pair import (
     Framing,
     PairResult,
     SideRun,
+    compare_pair,
     finish_pair,
     pair_entries,
     run_sides,
@@ -50,6 +52,7 @@ from parity.report import Report, build_report
 from parity.run.job import Run, detected, holding, launch_spec, mark_teardown, no_run_line
 from parity.run.launch import LaunchError, LaunchResult
 from parity.spec import READ_OPTIONS, JobSpec, PairSpec
+from parity.store import RunKey, RunStore, StoredRun, run_key, tree_of
 
 __all__ = [
     "CHECK_ENTRIES",
@@ -66,8 +69,11 @@ __all__ = [
 #: the sides of a check, each its run folder's name: base (side A) and head (side B)
 SIDES = ("base", "head")
 
+#: where the base runs again when a base reused from the run store and the head disagree
+FRESH_BASE = "base-fresh"
+
 #: what a check of two revisions writes in its folder (parity.pair.pair_entries)
-CHECK_ENTRIES = pair_entries(*SIDES)
+CHECK_ENTRIES = pair_entries(*SIDES, FRESH_BASE)
 
 
 @dataclass
@@ -190,9 +196,18 @@ def check_revisions(
     read: Mapping[str, Any] | None = None,
     carry: Sequence[CarryItem | str] = (),
     trace: bool = True,
+    store: RunStore | None = None,
+    fresh: bool = False,
 ) -> PairResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD) as a pair, side A and side B
     (parity.pair: `run_sides`, then `finish_pair`), each in its revision's worktree.
+
+    store: a run store (parity.store): the base is taken from it where a run with its key is
+    stored (only the head runs), and each side that ran and finished is stored for the next
+    check. A reused base that disagrees with the head (or was made in another environment, by
+    the runs' manifests) is run again into out/base-fresh, and the verdict is that run's: a
+    stale key costs a run, never a verdict. fresh: run the base even where it is stored (the
+    runs are still stored).
 
     Runs go to out/base and out/head, summary.json / summary.md and the report to out, the
     op-trace rerun (trace: where the sides diverged on the same batches) to out/trace-a and
@@ -224,17 +239,151 @@ def check_revisions(
                 tree = trees.enter_context(worktree(root, commits[side], shared))
                 label = f"{side} {revs[side]} ({commits[side][:12]})"
                 sides.append(SideRun(side, label, tree_runner(tree, carried, read)))
+            stored = Stored(store, spec, root, commits, revs, carried, options, fresh)
+            compare = {
+                "allow_teardown_failure": allow_teardown_failure,
+                "at_source_precision": options["at_source_precision"],
+                "allow_skipped": options["allow_skipped"],
+            }
             try:
                 result = run_sides(
-                    PairSpec(spec), out, policies, allow_teardown_failure=allow_teardown_failure,
-                    at_source_precision=options["at_source_precision"],
-                    allow_skipped=options["allow_skipped"], sides=(sides[0], sides[1]),
+                    PairSpec(spec), out, policies, sides=(stored.base_side(sides[0]), sides[1]),
+                    **compare,
                 )  # fmt: skip
+                result.sides = (sides[0], sides[1])  # an op-trace rerun runs, never reuses
+                if stored.reused is not None and stored.disagrees(result):
+                    result = stored.run_base_again(result, sides, policies, compare)
             except LaunchError as e:
                 write_failed(out, e)
                 raise
-            result.framing = _framing(revs, commits, carried, [s.label for s in sides], warning)
+            stored.keep(result)
+            labels = [stored.label(sides[0].label), sides[1].label]
+            result.framing = _framing(revs, commits, carried, labels, warning, stored)
             return finish_pair(result, trace=trace)
+
+
+class Stored:
+    """A check's use of the run store (parity.store): its base taken from it where stored, run
+    again where that reused base disagrees with the head, and the runs that finished kept."""
+
+    def __init__(
+        self,
+        store: RunStore | None,
+        spec: JobSpec,
+        root: Path,
+        commits: Mapping[str, str],
+        revs: Mapping[str, str],
+        carried: Carry,
+        read: Mapping[str, Any],
+        fresh: bool,
+    ):
+        self.store, self.spec, self.revs, self.commits = store, spec, revs, commits
+        self.read, self.fresh = read, fresh
+        self.reused: StoredRun | None = None
+        self.again = ""  # why a reused base was run again ('' when it was not)
+        self.stale = False  # the reused base differed from the base run again
+        self.keys: dict[str, RunKey] = {}
+        if store is not None:
+            inputs = [c.to_dict() for c in carried.carried]
+            self.keys = {side: run_key(spec, tree_of(root, commits[side]), inputs)
+                         for side in SIDES}  # fmt: skip
+
+    def base_side(self, side: SideRun) -> SideRun:
+        """The base's side: its run taken from the store where one is stored (and not fresh),
+        else ``side`` as it is."""
+        if self.store is None or self.fresh:
+            return side
+
+        def run(spec: JobSpec, out: Path, label: str | None = None, **_: Any) -> Run:
+            self.reused = self.store.get(self.keys["base"], Path(out))
+            if self.reused is None:
+                return side.runner()(spec, out, label=label, allow_teardown_failure=True)
+            print(f"parity: base: {self.reused.line()} (--fresh: run it again)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return self._run_of(spec, Path(out))
+
+        return SideRun(side.folder, side.label, run)
+
+    def _run_of(self, spec: JobSpec, out: Path) -> Run:
+        """The reused run as a side's run: its metrics read as the check reads its runs."""
+        out = out.resolve()
+        launch = LaunchResult(0, False, 0.0, out, started_as="run reused from the run store")
+        frame = read_metrics(out, self.read["format"], run=self.read["run"],
+                             duplicates=self.read["duplicates"])  # fmt: skip
+        return Run(spec, out, launch, frame)
+
+    def disagrees(self, result: PairResult) -> bool:
+        """Whether the reused base must run again: the pair is not aligned, or the runs'
+        manifests say they were made in different environments (parity.judge.golden)."""
+        if not result.comparison.ok:
+            self.again = f"the reused base and the head: {result.comparison.verdict}"
+        elif fingerprint(result.a.manifest) != fingerprint(result.b.manifest):
+            self.again = "the reused base was made in another environment (its manifest)"
+        return bool(self.again)
+
+    def run_base_again(
+        self,
+        result: PairResult,
+        sides: Sequence[SideRun],
+        policies: Mapping[str, Policy | str] | None,
+        compare: Mapping[str, Any],
+    ) -> PairResult:
+        """The pair again with the base run now into out/base-fresh: the verdict is this one's.
+        A fresh base whose numbers differ from the stored run's makes that one stale (removed
+        from the store; the fresh one is kept in its place)."""
+        print(f"parity: {self.again}: running the base again before the verdict",
+              file=sys.stderr, flush=True)  # fmt: skip
+        again = SideRun(FRESH_BASE, sides[0].label, sides[0].run)
+        base = again(self.spec, result.dir)
+        self.stale = not compare_frames(result.a.metrics, base.metrics).ok  # default: exact
+        if self.stale and self.store is not None:
+            print(f"parity: the stored base {self.reused.dir} was stale: removed from the run "
+                  "store", file=sys.stderr, flush=True)  # fmt: skip
+            self.store.forget(self.keys["base"])
+        fresh = compare_pair(base, result.b, result.dir, policies, **compare)
+        fresh.sides = (again, sides[1])
+        return fresh
+
+    def keep(self, result: PairResult) -> None:
+        """Each side that ran here and finished whole, put in the store under its key."""
+        if self.store is None:
+            return
+        for side, run in (("base", result.a), ("head", result.b)):
+            if side == "base" and run.dir.name == "base" and self.reused is not None:
+                continue  # the stored run itself
+            if not run.launch.ok or skipped_count(run.metrics):
+                continue
+            meta = {"rev": self.revs[side], "commit": self.commits[side],
+                    "seconds": run.launch.duration_s}  # fmt: skip
+            with contextlib.suppress(OSError):  # a full disk costs the next check a run
+                self.store.put(self.keys[side], run.dir, meta)
+
+    def label(self, label: str) -> str:
+        """The base's label in the report: reused, or run again."""
+        if self.reused is None:
+            return label
+        return f"{label}, run again" if self.again else f"{label}, reused"
+
+    def notes(self) -> list[str]:
+        if self.reused is None:
+            return []
+        notes = [f"base: {self.reused.line()} (run store {self.store.root})"]
+        if self.again:
+            stale = (
+                "; the stored run differed from the run again: stale, removed from the store"
+                if self.stale
+                else "; the stored run and the run again are bitwise equal"
+            )
+            notes.append(f"{self.again}: the base ran again into {FRESH_BASE}/, and the verdict "
+                         f"is that run's{stale}")  # fmt: skip
+        return notes
+
+    def summary(self) -> dict[str, Any]:
+        if self.reused is None:
+            return {}
+        return {"reused": {"line": self.reused.line(), "key": self.reused.key.digest,
+                           "store": str(self.store.root), "run_again": self.again or None,
+                           "stale": self.stale}}  # fmt: skip
 
 
 def _framing(
@@ -243,12 +392,16 @@ def _framing(
     carried: Carry,
     labels: Sequence[str],
     warning: str,
+    stored: Stored,
 ) -> Framing:
     """What check adds to its pair: the revisions in the report's labels and notes, the dirty
-    tree's warning, and in summary.json the revisions and the inputs carried into both."""
+    tree's warning, a base reused from the run store, and in summary.json the revisions and the
+    inputs carried into both."""
     notes = [f"{side} = {revs[side]} = {commits[side]}" for side in SIDES]
     notes.append("each side ran in `git worktree add --detach DIR COMMIT`, cwd DIR, PYTHONPATH=DIR")
+    notes += stored.notes()
     summary = {side: {"rev": revs[side], "commit": commits[side]} for side in SIDES}
+    summary["base"].update(stored.summary())
     summary["carried"] = [c.to_dict() for c in carried.carried]
     return Framing(
         (labels[0], labels[1]), notes + ([warning] if warning else []),

@@ -337,6 +337,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
         if args.carry:
             raise SpecError("--golden runs the current tree as it is; it takes no --carry")
+        if args.fresh or args.store:
+            raise SpecError("--golden runs the current tree once; it takes no --store or --fresh")
         result = check_golden(
             loaded, Path(args.golden), out, policies=policies, read=read,
             allow_teardown_failure=args.allow_teardown_failure,
@@ -347,8 +349,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     pair = check_revisions(
         loaded, args.base, args.head, out, policies=policies, read=read,
         allow_teardown_failure=args.allow_teardown_failure, carry=_carry(args), trace=args.trace,
+        store=_store(args.store), fresh=args.fresh,
     )  # fmt: skip
     return _check_printed(args, pair)
+
+
+def _store_arguments(parser: argparse.ArgumentParser, reused: str) -> None:
+    """--store and --fresh: the run store (parity.store) and a command that ignores it."""
+    parser.add_argument(
+        "--store",
+        help=f"run store: {reused} reused from it where a run of the same tree, spec and "
+        "environment is stored, and each run that finished kept there (default: "
+        "$PARITY_STORE, else ~/.cache/llm-parity/runs; 'off': none)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="run everything, whatever the store holds"
+    )
+
+
+def _store(value: str | None):
+    """The run store --store names ('off': none), else $PARITY_STORE's, else the cache's."""
+    from parity.store import RunStore, default_store
+
+    folder = default_store() if value is None else None if value == "off" else Path(value)
+    return None if folder is None else RunStore(folder)
 
 
 def _check_printed(args: argparse.Namespace, result) -> int:
@@ -419,7 +443,8 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     result = bisect(
         loaded, args.good, args.bad, Path(args.out), policies=policies,
         fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
-        allow_skipped=read["allow_skipped"], carry=_carry(args),
+        allow_skipped=read["allow_skipped"], carry=_carry(args), store=_store(args.store),
+        fresh=args.fresh,
     )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))
@@ -626,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not rerun revisions that diverged on the same batches up to their first "
         "divergent step with every op traced (the first differing op; on by default)",
     )
+    _store_arguments(check, "the base")
     _launcher_argument(check)
     _run_read_arguments(check)
     _carry_argument(check)
@@ -638,6 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     bis.add_argument("--bad", required=True, help="a later revision whose run diverges")
     bis.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
+    _store_arguments(bis, "the good revision and every commit")
     _launcher_argument(bis)
     _run_read_arguments(bis)
     _carry_argument(bis)

@@ -6,6 +6,7 @@ Without the reference subject installed, its presets are registered for this pro
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import signal
 import sys
@@ -50,6 +51,10 @@ def _register_subject_presets() -> None:
 
 
 _register_subject_presets()
+
+#: `parity check`'s run store off for every test (none reuses another's runs, nor the user's
+#: cache); the store's own tests name one (tests/orchestration/test_store.py)
+os.environ["PARITY_STORE"] = "off"
 
 
 @pytest.fixture

@@ -182,6 +182,7 @@ def test_every_public_name_resolves_and_is_listed():
     expected = {
         "run_pair", "run_job", "JobSpec", "PairSpec", "compare_frames", "read_metrics",
         "check_revisions", "bisect", "assert_parity", "Policy", "InputError", "SpecError",
+        "RunStore",
     }  # fmt: skip
     assert set(names) == expected and not not_in_dir
     assert names["JobSpec"] == "type" and names["run_pair"] == "function"

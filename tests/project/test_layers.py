@@ -8,7 +8,7 @@ imports one of a higher layer, nor another module's private names.
              spec, tasks, report
     run      run/ (signals, world, launch, results, torchrun_logs, proc_scan, slurm, job,
              inprocess, pool, trace_rerun)
-    orchestration  pair, check, carry, git, bisect
+    orchestration  pair, check, carry, git, store, bisect
     faces    cli, plugin, the package's lazy exports (parity/__init__.py)
 
 Imports under ``if TYPE_CHECKING:`` are annotations only and not counted; an import inside a
@@ -37,7 +37,14 @@ LAYERS = {
     ],
     "judge": ["parity.spec", "parity.tasks", "parity.judge", "parity.report"],
     "run": ["parity.run"],
-    "orchestration": ["parity.pair", "parity.check", "parity.carry", "parity.git", "parity.bisect"],
+    "orchestration": [
+        "parity.pair",
+        "parity.check",
+        "parity.carry",
+        "parity.git",
+        "parity.store",
+        "parity.bisect",
+    ],  # fmt: skip
     "faces": ["parity.cli", "parity.plugin", "parity"],
 }
 ORDER = list(LAYERS)

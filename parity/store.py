@@ -1,0 +1,353 @@
+"""A store of finished runs, keyed by everything that decides their numbers, so that `parity
+check` runs its base revision once per key instead of once per check (CI checks every pull
+request against the same main until main moves).
+
+The key (`run_key`) is a hash of: the revision's git tree (its content, not its commit: a
+squash-merge of an up-to-date branch has its head's tree), the digests of the inputs carried into
+it, the job spec as given (launcher and topology included), and the environment the run will
+have: Python, the interpreter's path, every installed distribution and its version, the harness's
+version, the machine, its CPU's instruction sets and vendor, the GPUs the driver lists, and the
+variables that change kernels or code (threads, BLAS, CUDA, NCCL, torch, PYTHONPATH...).
+`key.json` beside each stored run lists them, for a person asking why a run was or was not
+reused.
+
+A key can still miss a cause (a data file outside git that the job reads, and that nobody
+carried): so a reused run is only ever trusted when it agrees. `parity check` runs the head, and
+where the reused base and the head do not agree it runs the base again before it gives a verdict
+(parity.check), so a stale key costs a run, never a verdict.
+
+Layout, in a folder of the harness's own (marked by ``.parity-store``; any other folder is refused,
+so nothing of the user's is ever evicted)::
+
+    STORE/.parity-store         the mark (empty)
+    STORE/lock                  flock: shared while a run is read, exclusive to add or evict
+    STORE/runs/<key>/key.json   what the key was made of
+    STORE/runs/<key>/run/       the run folder, as the job left it
+    STORE/runs/<key>/stored.json  written last: every file's size and sha256, the revision, when
+    STORE/tmp/                  runs being added (a rename into runs/ makes one visible)
+
+A stored run is complete or absent: it becomes visible by one rename of a folder whose
+``stored.json`` was written last, and it is read only after every file's checksum is verified, so
+a run cut short, edited or half-evicted is never used (`get` returns None and says why). Two
+commands can share a store: a second copy of a run already there is dropped, eviction renames
+before it removes, and a reader holds the lock while it verifies and copies. The store is bounded
+(`max_bytes`): the least recently used runs go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from parity.errors import InputError
+from parity.files import write_json_atomic
+from parity.git import git
+from parity.spec import JobSpec
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "RunKey",
+    "RunStore",
+    "StoreError",
+    "StoredRun",
+    "default_store",
+    "run_key",
+    "tree_of",
+]
+
+STORE_ENV = "PARITY_STORE"  # the store's folder; "off": no store
+MAX_ENV = "PARITY_STORE_MAX_MB"
+DEFAULT_MAX_BYTES = 2 << 30
+MARK = ".parity-store"
+_CHUNK = 1 << 20
+
+#: environment variables that change which kernels run or which code is imported (the key holds
+#: each one set); the store's own are not among them
+KEY_VARIABLES = ("PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG")
+KEY_PREFIXES = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "ATEN_", "TORCH", "PYTORCH_", "NCCL_",
+                "CUDA_", "CUDNN_", "NVIDIA_", "HIP_", "ROCM_", "XLA_", "PARITY_")  # fmt: skip
+_NOT_KEY = (STORE_ENV, MAX_ENV)
+
+
+class StoreError(InputError):
+    """A store folder that is not one (the user's folder, a file): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """A run's key (``digest``) and what it was made of (``facts``, written as key.json)."""
+
+    digest: str
+    facts: dict[str, Any]
+
+
+@dataclass
+class StoredRun:
+    """A run taken from the store: where it was copied to, and what stored.json says of it."""
+
+    dir: Path
+    key: RunKey
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """How output and report name it: "reused run of <rev> (<commit>) from <date>"."""
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.meta.get("stored_at", 0)))
+        rev, commit = self.meta.get("rev") or "?", (self.meta.get("commit") or "")[:12]
+        return f"reused run of {rev}" + (f" ({commit})" if commit else "") + f" from {when}"
+
+
+def default_store() -> Path | None:
+    """The store's folder: $PARITY_STORE, else the user's cache; None when $PARITY_STORE is
+    "off"."""
+    value = os.environ.get(STORE_ENV, "")
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "llm-parity" / "runs"
+
+
+def tree_of(repo: Path, commit: str) -> str:
+    """The git tree id of ``commit``: its content, whatever its history or message."""
+    return git(repo, "rev-parse", "--end-of-options", f"{commit}^{{tree}}")
+
+
+def run_key(
+    spec: JobSpec,
+    tree: str,
+    carried: Sequence[Mapping[str, Any]] = (),
+    env: Mapping[str, str] | None = None,
+) -> RunKey:
+    """The key of a run of ``spec`` in the git tree ``tree`` with the inputs ``carried``
+    (parity.carry's path/size/sha256), in this environment (``env``: os.environ)."""
+    facts = {
+        "tree": tree,
+        "carried": sorted(
+            ({"path": c["path"], "sha256": c["sha256"]} for c in carried), key=lambda c: c["path"]
+        ),  # fmt: skip
+        "spec": spec.to_dict(),
+        "environment": environment_facts(os.environ if env is None else env),
+    }
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return RunKey(hashlib.sha256(text.encode()).hexdigest()[:32], facts)
+
+
+def environment_facts(env: Mapping[str, str]) -> dict[str, Any]:
+    """What of this machine and interpreter can change a run's numbers, read without starting
+    the job (and without importing torch)."""
+    from importlib import metadata
+
+    from parity.record.env import cpu_facts
+
+    packages = sorted({(d.metadata["Name"] or "", d.version) for d in metadata.distributions()})
+    try:
+        cpu = cpu_facts(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = {}
+    return {
+        "python": sys.version,
+        "executable": sys.executable,
+        "packages": hashlib.sha256(json.dumps(packages).encode()).hexdigest()[:32],
+        "harness": _harness_version(),
+        "machine": platform.machine(),
+        "cpu_isa": cpu.get("cpu_isa"),
+        "cpu_vendor": cpu.get("cpu_vendor"),
+        "gpus": _gpus(),
+        "variables": {k: v for k, v in sorted(env.items())
+                      if k not in _NOT_KEY and (k in KEY_VARIABLES or k.startswith(KEY_PREFIXES))},
+    }  # fmt: skip
+
+
+def _harness_version() -> str | None:
+    from parity.record.env import package_version
+
+    return package_version("llm-parity")
+
+
+def _gpus() -> list[str]:
+    """The GPU models the NVIDIA driver lists (/proc/driver/nvidia), without starting CUDA."""
+    found = []
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        with contextlib.suppress(OSError):
+            model = [ln for ln in info.read_text().splitlines() if ln.startswith("Model:")]
+            found += [m.split(":", 1)[1].strip() for m in model]
+    return found
+
+
+class RunStore:
+    """One store folder (see the module's docstring): `get` a run by key into a folder of the
+    caller's, `put` a finished run under its key."""
+
+    def __init__(self, root: Path, max_bytes: int | None = None):
+        self.root = Path(root).expanduser().resolve()
+        if max_bytes is None:
+            mb = os.environ.get(MAX_ENV, "")
+            max_bytes = int(mb) << 20 if mb.isdigit() else DEFAULT_MAX_BYTES
+        self.max_bytes = max_bytes
+        self._open()
+
+    def _open(self) -> None:
+        """Make the store (an empty or missing folder), or take one it made; refuse the rest."""
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"{root}: not a folder; give the run store a folder of its own")
+        if root.is_dir() and not (root / MARK).is_file() and any(root.iterdir()):
+            raise StoreError(f"{root}: a folder that is not a parity run store (no {MARK}); "
+                             "give the store an empty or new folder")  # fmt: skip
+        try:
+            for sub in ("runs", "tmp"):
+                (root / sub).mkdir(parents=True, exist_ok=True)
+            (root / MARK).touch()
+        except OSError as e:
+            raise StoreError(f"{root}: cannot write the run store: {e.strerror or e}") from None
+
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool) -> Iterator[None]:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def entry(self, key: RunKey) -> Path:
+        return self.root / "runs" / key.digest
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def get(self, key: RunKey, dest: Path) -> StoredRun | None:
+        """The run stored under ``key`` copied to ``dest`` (missing, or an empty folder), every
+        file's checksum verified first; None when there is none or it is not whole (a line on
+        stderr says why, and ``dest`` is left as it was)."""
+        entry = self.entry(key)
+        with self._locked(exclusive=False):
+            if not entry.is_dir():
+                return None
+            try:
+                meta = json.loads((entry / "stored.json").read_text())
+                problem = _verify(entry / "run", meta["files"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                problem = f"stored.json unreadable: {e}"
+            if problem:
+                print(f"parity: not reusing the stored run {entry}: {problem}; removed from "
+                      "the store", file=sys.stderr)  # fmt: skip
+            else:  # copied while no command adds or evicts: what is copied is what was verified
+                shutil.copytree(entry / "run", dest, symlinks=True, dirs_exist_ok=True)
+                with contextlib.suppress(OSError):
+                    os.utime(entry / "stored.json")  # recently used: evicted last
+        if problem:  # never read again: the run made in its place is stored instead
+            self.forget(key)
+            return None
+        return StoredRun(dest, key, meta)
+
+    # --- adding and evicting ---------------------------------------------------------------------
+
+    def put(self, key: RunKey, run_dir: Path, meta: Mapping[str, Any]) -> bool:
+        """Store the finished run in ``run_dir`` under ``key`` (a copy; ``meta`` goes into
+        stored.json: rev, commit, seconds); False when the key is stored already. Then evict the
+        least recently used runs past ``max_bytes``."""
+        if self.entry(key).exists():
+            return False
+        staging = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            shutil.copytree(run_dir, staging / "run", symlinks=True)
+            write_json_atomic(staging / "key.json", key.facts)
+            files = _checksums(staging / "run")
+            stored = {**meta, "files": files, "stored_at": time.time(), "key": key.digest}
+            write_json_atomic(staging / "stored.json", stored)  # last: the entry is whole
+            with self._locked(exclusive=True):
+                try:
+                    os.rename(staging, self.entry(key))
+                except OSError:  # stored meanwhile by another command: theirs stays
+                    return False
+                self._evict(keep=key.digest)
+                self._sweep()
+            return True
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _evict(self, keep: str) -> None:
+        """Under the exclusive lock: the least recently used runs removed until the store fits
+        (each renamed into tmp/ first, so no reader ever sees half of one)."""
+        entries = []
+        for entry in (self.root / "runs").iterdir():
+            with contextlib.suppress(OSError):
+                entries.append(((entry / "stored.json").stat().st_mtime, entry, _size(entry)))
+        total = sum(size for *_, size in entries)
+        for _, entry, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if entry.name == keep:
+                continue
+            gone = self.root / "tmp" / f"evicted-{entry.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(entry, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+            total -= size
+
+    def _sweep(self) -> None:
+        """Under the exclusive lock: staging folders of commands that are gone (killed mid-copy)."""
+        for staged in (self.root / "tmp").iterdir():
+            pid = staged.name.split("-", 1)[0]
+            if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+                shutil.rmtree(staged, ignore_errors=True)
+
+    def forget(self, key: RunKey) -> None:
+        """Remove the run under ``key`` (one that turned out stale)."""
+        with self._locked(exclusive=True):
+            entry = self.entry(key)
+            if entry.is_dir():
+                gone = self.root / "tmp" / f"evicted-{entry.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(entry, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+
+
+def _checksums(folder: Path) -> dict[str, list]:
+    """Every file under ``folder`` (relative path) -> [size, sha256]; a link -> ["link", target]."""
+    found: dict[str, list] = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_symlink():
+            found[rel] = ["link", os.readlink(path)]
+        elif path.is_file():
+            found[rel] = [path.stat().st_size, _sha256(path)]
+    return found
+
+
+def _verify(folder: Path, files: Mapping[str, list]) -> str:
+    """'' when ``folder`` holds exactly ``files`` with their checksums, else what differs."""
+    if not folder.is_dir():
+        return "its run folder is missing"
+    found = _checksums(folder)
+    if extra := sorted(set(found) - set(files)):
+        return f"{extra[0]}: not among the files it was stored with"
+    for rel, want in files.items():
+        if rel not in found:
+            return f"{rel}: missing"
+        if found[rel] != list(want):
+            return f"{rel}: changed since it was stored (checksum)"
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
