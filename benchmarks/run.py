@@ -7,7 +7,9 @@
 Figures: (1) harness overhead, a matched pair's wall time over the training inside it, at 20, 100
 and 200 steps, two launches vs one in-process launch; (2) start-up: one launch, and the
 in-process pair against it; (3) comparison throughput against a per-value Python loop; (4)
-reading verl console logs against a line-by-line `re` + `float()` loop; (5) the parity suite.
+reading verl console logs against a line-by-line `re` + `float()` loop; (5) the parity suite;
+(6) a second `check` against the same base: the base from the run store, a diverging head
+stopped at its divergence, against today's full check.
 Timings are wall-clock medians, so run it on a quiet machine.
 """
 
@@ -233,6 +235,99 @@ def bench_startup(repeats: int) -> None:
           f"pair {pair_cpu:.1f} s ({pair_cpu / one_cpu:.2f}x)")  # fmt: skip
 
 
+# --- (6) check: a base reused from the run store, a head stopped at its divergence ---------------
+
+#: a one-rank torch job of 200 steps (about 25 ms each on one core): loss scaled from step 3
+CHECK_JOB = """\
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SCALE = {scale}  # {label}
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True, exist_ok=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(4096, 256), torch.randn(4096, 1)
+with open(out / "metrics.jsonl", "w") as f:
+    for step in range(1, 201):
+        loss = torch.nn.functional.mse_loss(model(x), y) * (SCALE if step >= 3 else 1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        f.write(json.dumps({{"step": step, "train/loss": loss.item()}}) + "\\n")
+        f.flush()
+    f.write(json.dumps({{"event": "end", "steps": 200}}) + "\\n")
+"""
+CHECK_SPEC = 'task = "custom"\nworld_size = 1\ncommand = ["job.py", "--out", "{out}"]\n'
+
+
+def _check_repo(root: Path) -> list[str]:
+    """A repository of three commits: the job, a comment (aligned), a scale from step 3."""
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", str(root), "-c", "user.name=b", "-c", "user.email=b@example.com"]
+        return subprocess.run([*cmd, *args], check=True, capture_output=True, text=True).stdout
+
+    root.mkdir(parents=True)
+    git("init", "-q", "-b", "main")
+    commits = []
+    for label, scale in (("base", "1.0"), ("a comment", "1.0"), ("scaled", "1.0000001")):
+        (root / "job.py").write_text(CHECK_JOB.format(scale=scale, label=label))
+        (root / "spec.toml").write_text(CHECK_SPEC)
+        git("add", "-A")
+        git("commit", "-q", "-m", label)
+        commits.append(git("rev-parse", "HEAD").strip())
+    return commits
+
+
+def _check_once(root: Path, base: str, head: str, *args: str) -> Timed:
+    def run() -> tuple[float, float, float]:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, "-m", "parity.cli", "check", "--base", base, "--head", head]
+            cmd += ["--spec", "spec.toml", "--out", out, "--no-trace", *args]
+            start, cpu = time.perf_counter(), _children_cpu()
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+            wall, cpu = time.perf_counter() - start, _children_cpu() - cpu
+            if proc.returncode not in (0, 1):
+                raise SystemExit(f"check failed: {proc.stderr[-2000:]}")
+        return wall, wall, cpu
+
+    return run
+
+
+def bench_check(repeats: int) -> None:
+    """(6): a second check against the same base, with the base in the run store: an aligned
+    head costs one run, not two; a head that diverges at step 3 of 200 is stopped there, and
+    the base run again to confirm it stops there too; each against today's full check."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "repo"
+        base, aligned, scaled = _check_repo(root)
+        store = str(Path(tmp) / "store")
+        subprocess.run([sys.executable, "-m", "parity.cli", "check", "--base", base, "--head",
+                        aligned, "--spec", "spec.toml", "--out", str(Path(tmp) / "seed"),
+                        "--store", store], check=True, capture_output=True, cwd=root)  # fmt: skip
+        full = ("--store", "off", "--run-out")
+        figures = _interleaved(
+            [_check_once(root, base, aligned, *full), _check_once(root, base, aligned,
+             "--store", store), _check_once(root, base, scaled, *full),
+             _check_once(root, base, scaled, "--store", store)], repeats,
+        )  # fmt: skip
+    (a_full, *_), (a_store, *_), (d_full, *_), (d_store, *_) = figures
+    print(
+        f"check     aligned head, 200 steps: full check {a_full:.1f} s, base from the run "
+        f"store {a_store:.1f} s ({a_full / a_store:.2f}x; goal ~2x: one run, not two)"
+    )
+    print(
+        f"check     head diverging at step 3 of 200: full check {d_full:.1f} s, base from the "
+        f"store and the head stopped early {d_store:.1f} s ({d_full / d_store:.2f}x)"
+    )
+
+
 # --- (5) the parity suite ------------------------------------------------------------------------
 
 
@@ -352,9 +447,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="runs per pair figure (median)")
     p.add_argument("--no-pool", action="store_true", help="time the suite without warm pools")
     p.add_argument("--suite-child", default=None, help=argparse.SUPPRESS)  # pytest args, JSON
-    p.add_argument("--only", choices=["reader", "startup", "pairs"],
-                   help="one figure: (4) reader, (2) startup or (1) pairs; --repeats runs (7, "
-                        "5 for the launches)")  # fmt: skip
+    p.add_argument("--only", choices=["reader", "startup", "pairs", "check"],
+                   help="one figure: (4) reader, (2) startup, (1) pairs or (6) check; --repeats "
+                        "runs (7, 5 for the launches, 3 for check)")  # fmt: skip
     args = p.parse_args()
     if args.suite_child is not None:
         _suite_child(json.loads(args.suite_child))
@@ -375,12 +470,16 @@ def main() -> None:
     if args.only == "pairs":
         bench_pairs((20,) if args.quick else (20, 100, 200), args.repeats or 5)
         return
+    if args.only == "check":
+        bench_check(args.repeats or 3)
+        return
     bench_compare(100_000 if args.quick else 1_000_000, 3 if args.quick else 5)
     bench_reader(100_000 if args.quick else 1_000_000, 3)
     if not args.skip_pair:
         repeats = args.repeats or (1 if args.quick else 3)
         bench_startup(repeats)
         bench_pairs((20,) if args.quick else (20, 100, 200), repeats)
+        bench_check(repeats)
     if args.suite:
         bench_suite(["-m", "parity", *(["--parity-no-pool"] if args.no_pool else [])])
 

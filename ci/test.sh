@@ -36,6 +36,6 @@ for arg in "$@"; do
     esac
 done
 fast=0
-"$VENV/bin/python" -m pytest -m "not parity" -n 2 "$@" || fast=$?
+"$VENV/bin/python" -m pytest -m "not parity" -n 2 --dist loadfile "$@" || fast=$?
 "$VENV/bin/python" -m pytest -m parity "$@" || exit $?
 exit "$fast"

@@ -28,7 +28,7 @@ from typing import Any
 import pandas as pd
 
 from parity.carry import Carry, CarryItem
-from parity.check import carry_into_revisions, run_in_tree
+from parity.check import carry_into_revisions, run_in_tree, stops_early
 from parity.files import LAUNCH_SUFFIX, write_json_atomic
 from parity.git import (
     RevisionError,
@@ -42,6 +42,7 @@ from parity.judge.compare import Comparison, Policy, compare_frames, json_value
 from parity.outdir import OutDir, write_json_new, write_new
 from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics, skipped_count
 from parity.record.runfolder import metrics_path
+from parity.run.early import EarlyStop, judge_stopped
 from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
 from parity.run.signals import deferred
@@ -72,6 +73,7 @@ class TestedCommit:
     run: str | None = None
     error: str | None = None
     reused: bool = False  # its run came from the run store (parity.store)
+    stopped_at: int | None = None  # stopped after this step as it diverged (parity.run.early)
 
 
 @dataclass
@@ -179,12 +181,9 @@ class _Reading:
         )
 
 
-def _judge(
-    tested: TestedCommit, reference: Path, run_dir: Path, policies, reading: _Reading
-) -> TestedCommit:
+def _judge(tested: TestedCommit, comparison: Comparison) -> TestedCommit:
     """``tested`` with its verdict against the reference and, where it diverged, the first
     divergent metric (a metric missing on one side has no step: named all the same)."""
-    comparison = reading.compare(reference, run_dir, policies)
     tested.verdict, tested.error = comparison.verdict, None
     m = comparison.first_divergence() or next(iter(comparison.failures), None)
     if m is not None:
@@ -212,7 +211,9 @@ class _Bisection:
     store: RunStore | None = None  # parity.store: runs reused and kept
     fresh: bool = False  # run every commit, whatever is stored (runs are still kept)
     root: Path | None = None  # the repository (the store's keys: a commit's tree)
-    runs: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # commit: (run, reused)
+    #: commit: (its run, reused from the store, the early stop that stopped it or None)
+    runs: dict[str, tuple[Path, bool, EarlyStop | None]] = field(default_factory=dict)
+    run_out: bool = False  # run every probe to its end (no early stop)
     reference_line: str = ""  # "reused run of ..." when the good run came from the store
     confirmed: str = ""  # how a reused good run was confirmed ('' until it is)
 
@@ -221,11 +222,18 @@ class _Bisection:
         return run_key(self.spec, tree_of(self.root, commit), inputs)
 
     def obtain(
-        self, tree: Path, commit: str, run_dir: Path, label: str, fresh: bool = False
+        self,
+        tree: Path,
+        commit: str,
+        run_dir: Path,
+        label: str,
+        fresh: bool = False,
+        early: EarlyStop | None = None,
     ) -> str:
         """``commit``'s run in ``run_dir``: taken from the store where stored (not with
         ``fresh``; returns how it names that run, "reused run of ... from ..."), else run in
-        ``tree`` and stored (returns ''); LaunchError or MetricsError when the run fails."""
+        ``tree`` and stored (returns ''; a run stopped early, ``early``, is not stored);
+        LaunchError or MetricsError when the run fails."""
         if self.store is not None and not (self.fresh or fresh):
             got = self.store.get(self.key(commit), run_dir)
             if got is not None:
@@ -234,7 +242,8 @@ class _Bisection:
         if self.carry is not None:
             self.carry.into(tree)  # again where the last commit's run changed the copies
         read = self.reading.options()
-        launch = run_in_tree(self.spec, tree, run_dir, label=label, carry=self.carry, read=read)
+        launch = run_in_tree(self.spec, tree, run_dir, label=label, carry=self.carry, read=read,
+                             early=early)  # fmt: skip
         if self.store is not None and launch.ok and not skipped_count(self.reading.frame(run_dir)):
             meta = {"rev": commit, "commit": commit, "seconds": launch.duration_s}
             with contextlib.suppress(OSError):  # a full disk costs a later command a run
@@ -266,17 +275,40 @@ class _Bisection:
         tested = TestedCommit(commit, subject(tree, commit), "skipped", run=str(run_dir))
         try:
             if again or commit not in self.runs:
-                reused = self.obtain(tree, commit, run_dir, f"commit {name}", fresh=again)
-                self.runs[commit] = (run_dir, bool(reused))
-            run_dir, tested.reused = self.runs[commit]
-            tested.run = str(run_dir)
-            _judge(tested, self.reference, run_dir, self.policies, self.reading)
+                early = self._early_stop(run_dir)
+                reused = self.obtain(tree, commit, run_dir, f"commit {name}", again, early)
+                stopped = early if early is not None and early.step is not None else None
+                self.runs[commit] = (run_dir, bool(reused), stopped)
+            run_dir, tested.reused, stopped = self.runs[commit]
+            tested.run, tested.stopped_at = str(run_dir), stopped.step if stopped else None
+            _judge(tested, self._comparison(run_dir, stopped))
         except (LaunchError, MetricsError) as e:
             if not skip_failed:
                 raise
             tested.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         write_json_atomic(run_dir / "verdict.json", json_value(asdict(tested)))
         return tested
+
+    def _early_stop(self, run_dir: Path) -> EarlyStop | None:
+        """A probe judged against the reference as it writes its steps and stopped as soon as it
+        diverges (parity.run.early), where its runs can be (not with run_out)."""
+        if self.run_out or not stops_early(self.reading.options()):
+            return None
+        reference = self.reading.frame(self.reference)
+        return EarlyStop(reference, metrics_path(run_dir), self.policies,
+                         allow_skipped=self.reading.allow_skipped)  # fmt: skip
+
+    def _comparison(self, run_dir: Path, stopped: EarlyStop | None) -> Comparison:
+        """A probe's run against the reference: whole, or up to the step it was stopped at."""
+        if stopped is None:
+            return self.reading.compare(self.reference, run_dir, self.policies)
+        reference = self.reading.frame(self.reference)
+        return judge_stopped(reference, stopped.frame, stopped.step, self.policies,
+                             allow_skipped=self.reading.allow_skipped)  # fmt: skip
+
+    def forget_stopped(self) -> None:
+        """Runs stopped against a reference that was replaced: run again when tested again."""
+        self.runs = {c: run for c, run in self.runs.items() if run[2] is None}
 
     def result(self, verdict: str, **kw: Any) -> BisectResult:
         tested = list(self.tested.values())
@@ -318,8 +350,13 @@ def bisect(
     carry: Sequence[CarryItem | str] = (),
     store: RunStore | None = None,
     fresh: bool = False,
+    run_out: bool = False,
 ) -> BisectResult:
     """Find the first commit in good..bad whose run diverges from good's run.
+
+    Each commit's run is judged against good's as it writes its steps and stopped as soon as
+    it diverges (parity.run.early; where runs are read from the recorder's metrics.jsonl);
+    run_out: run each to its end.
 
     store: a run store (parity.store): the good run and each commit's run are taken from it
     where stored, and every run that finished is kept there. A stale key costs runs, never a
@@ -357,7 +394,7 @@ def bisect(
             state = _Bisection(
                 spec, out / "good", out, dict(policies or {}), reading, good_c, bad_c,
                 _expected_tests(root, good_c, bad_c), carried, store=store, fresh=fresh,
-                root=root,
+                root=root, run_out=run_out,
             )  # fmt: skip
             return _bisect(state, shared)
 
@@ -435,6 +472,7 @@ def _rerun_reference(state: _Bisection, shared: Path | None) -> bool:
         state.confirmed = "run again: the same numbers"
         return False
     state.reference = fresh
+    state.forget_stopped()
     state.confirmed = "run again: stale (other numbers); bisected again against the fresh run"
     return True
 

@@ -49,7 +49,16 @@ from parity.readers import (
 )
 from parity.record.runfolder import metrics_path
 from parity.report import Report, build_report
-from parity.run.job import Run, detected, holding, launch_spec, mark_teardown, no_run_line
+from parity.run.early import EarlyStop, prefix_comparison
+from parity.run.job import (
+    Run,
+    detected,
+    holding,
+    launch_spec,
+    mark_teardown,
+    no_run_line,
+    stopped_run,
+)
 from parity.run.launch import LaunchError, LaunchResult
 from parity.spec import READ_OPTIONS, JobSpec, PairSpec
 from parity.store import RunKey, RunStore, StoredRun, run_key, tree_of
@@ -69,11 +78,19 @@ __all__ = [
 #: the sides of a check, each its run folder's name: base (side A) and head (side B)
 SIDES = ("base", "head")
 
-#: where the base runs again when a base reused from the run store and the head disagree
-FRESH_BASE = "base-fresh"
+#: where the base runs again when a base reused from the run store and the head disagree, and
+#: the head where it had been stopped early against a reused base that turned out stale
+FRESH_BASE, HEAD_AGAIN = "base-fresh", "head-again"
 
 #: what a check of two revisions writes in its folder (parity.pair.pair_entries)
-CHECK_ENTRIES = pair_entries(*SIDES, FRESH_BASE)
+CHECK_ENTRIES = pair_entries(*SIDES, FRESH_BASE, HEAD_AGAIN)
+
+
+def stops_early(read: Mapping[str, Any]) -> bool:
+    """Whether runs read as ``read`` says (spec.READ_OPTIONS) can be judged as they write their
+    steps: the recorder's metrics.jsonl, its values final (a step given twice is an error)."""
+    recorded = read["format"] in (None, "jsonl") and read["run"] is None
+    return recorded and read["duplicates"] == "error"
 
 
 @dataclass
@@ -108,6 +125,7 @@ def run_in_tree(
     label: str | None = None,
     carry: Carry | None = None,
     read: Mapping[str, Any] | None = None,
+    early: EarlyStop | None = None,
 ) -> LaunchResult:
     """Run ``spec`` under torchrun with cwd and PYTHONPATH at ``tree``; raise LaunchError.
 
@@ -117,13 +135,18 @@ def run_in_tree(
     reason, for the caller to compare and report. carry: the inputs copied into ``tree``
     (parity.carry); a run that changed them failed, whatever its exit. read: how the run is
     read (spec.READ_OPTIONS, the spec's `[read]`): a run that only its named format reads is
-    a run, not "nothing readable".
+    a run, not "nothing readable". early: stopped as soon as it diverges (parity.run.early);
+    such a launch is returned as it is (``stopped_early``), its metrics in ``early``.
     """
     run_dir = Path(run_dir).resolve()  # the job's cwd is elsewhere
     label = label or run_dir.name
     paths = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"PYTHONPATH": os.pathsep.join(paths)}
-    result = launch_spec(spec, run_dir, label, cwd=tree, env=env, origin=origin(tree, carry))
+    result = launch_spec(
+        spec, run_dir, label, cwd=tree, env=env, origin=origin(tree, carry), early=early
+    )
+    if result.stopped_early:
+        return result
     if not result.ok:
         whole = mark_teardown(result, metrics_path(run_dir), result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash
@@ -171,11 +194,18 @@ def tree_runner(
     options = {**READ_OPTIONS, **(read or {})}
 
     def run(
-        spec: JobSpec, out: Path, label: str | None = None, *, allow_teardown_failure: bool = False
+        spec: JobSpec,
+        out: Path,
+        label: str | None = None,
+        *,
+        allow_teardown_failure: bool = False,
+        early: EarlyStop | None = None,
     ) -> Run:
         if carry is not None:
             carry.into(tree)
-        launch = run_in_tree(spec, tree, out, allow_teardown_failure, label, carry, read)
+        launch = run_in_tree(spec, tree, out, allow_teardown_failure, label, carry, read, early)
+        if launch.stopped_early and early is not None:
+            return stopped_run(spec, out, launch, early)
         out = Path(out).resolve()
         frame = read_metrics(out, options["format"], run=options["run"],
                              duplicates=options["duplicates"])  # fmt: skip
@@ -198,6 +228,7 @@ def check_revisions(
     trace: bool = True,
     store: RunStore | None = None,
     fresh: bool = False,
+    run_out: bool = False,
 ) -> PairResult:
     """Run ``spec`` at ``base`` and at ``head`` (default HEAD) as a pair, side A and side B
     (parity.pair: `run_sides`, then `finish_pair`), each in its revision's worktree.
@@ -207,7 +238,10 @@ def check_revisions(
     check. A reused base that disagrees with the head (or was made in another environment, by
     the runs' manifests) is run again into out/base-fresh, and the verdict is that run's: a
     stale key costs a run, never a verdict. fresh: run the base even where it is stored (the
-    runs are still stored).
+    runs are still stored). The head runs after the base and is judged against its numbers as
+    it writes its steps, and stopped as soon as it diverges (parity.run.early: the sides are
+    then compared up to there, the verdict and first divergence those of a whole run); run_out:
+    run it to its end.
 
     Runs go to out/base and out/head, summary.json / summary.md and the report to out, the
     op-trace rerun (trace: where the sides diverged on the same batches) to out/trace-a and
@@ -248,7 +282,7 @@ def check_revisions(
             try:
                 result = run_sides(
                     PairSpec(spec), out, policies, sides=(stored.base_side(sides[0]), sides[1]),
-                    **compare,
+                    stop_early=not run_out and stops_early(options), **compare,
                 )  # fmt: skip
                 result.sides = (sides[0], sides[1])  # an op-trace rerun runs, never reuses
                 if stored.reused is not None and stored.disagrees(result):
@@ -282,6 +316,7 @@ class Stored:
         self.reused: StoredRun | None = None
         self.again = ""  # why a reused base was run again ('' when it was not)
         self.stale = False  # the reused base differed from the base run again
+        self.fresh_until: int | None = None  # the step the base run again stopped after
         self.keys: dict[str, RunKey] = {}
         if store is not None:
             inputs = [c.to_dict() for c in carried.carried]
@@ -334,15 +369,38 @@ class Stored:
         print(f"parity: {self.again}: running the base again before the verdict",
               file=sys.stderr, flush=True)  # fmt: skip
         again = SideRun(FRESH_BASE, sides[0].label, sides[0].run)
-        base = again(self.spec, result.dir)
-        self.stale = not compare_frames(result.a.metrics, base.metrics).ok  # default: exact
+        head, head_side = result.b, sides[1]
+        until = None  # a head stopped at step k: the base needs its steps up to k alone
+        if head.stopped_at is not None:
+            until = EarlyStop(result.a.metrics, metrics_path(result.dir / FRESH_BASE), None,
+                              until=head.stopped_at)  # fmt: skip
+        base = again(self.spec, result.dir, until)
+        if base.stopped_at is not None:  # default policies: exact
+            same = prefix_comparison(result.a.metrics, base.metrics, base.stopped_at)
+        else:
+            same = compare_frames(result.a.metrics, base.metrics)
+        self.stale, self.fresh_until = not same.ok, base.stopped_at
         if self.stale and self.store is not None:
             print(f"parity: the stored base {self.reused.dir} was stale: removed from the run "
                   "store", file=sys.stderr, flush=True)  # fmt: skip
             self.store.forget(self.keys["base"])
-        fresh = compare_pair(base, result.b, result.dir, policies, **compare)
-        fresh.sides = (again, sides[1])
+        if head.stopped_at is not None and self._head_again(base, head, policies, compare):
+            head_side = SideRun(HEAD_AGAIN, sides[1].label, sides[1].run)
+            print("parity: the head was stopped against the stale base: running it again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            early = head_side.early_stop(base, result.dir, policies, **_options(compare))
+            head = head_side(self.spec, result.dir, early)
+        fresh = compare_pair(base, head, result.dir, policies, **compare)
+        fresh.sides = (again, head_side)
         return fresh
+
+    @staticmethod
+    def _head_again(base: Run, head: Run, policies, compare: Mapping[str, Any]) -> bool:
+        """Whether a head stopped early against the reused base must run again: up to its stop
+        it does not diverge from the base run now (it was stopped by a stale run's numbers)."""
+        prefix = prefix_comparison(base.metrics, head.metrics, head.stopped_at, policies,
+                                   **_options(compare))  # fmt: skip
+        return prefix.first_divergence() is None
 
     def keep(self, result: PairResult) -> None:
         """Each side that ran here and finished whole, put in the store under its key."""
@@ -369,10 +427,11 @@ class Stored:
             return []
         notes = [f"base: {self.reused.line()} (run store {self.store.root})"]
         if self.again:
+            upto = f" up to step {self.fresh_until}" if self.fresh_until is not None else ""
             stale = (
                 "; the stored run differed from the run again: stale, removed from the store"
                 if self.stale
-                else "; the stored run and the run again are bitwise equal"
+                else f"; the stored run and the run again are bitwise equal{upto}"
             )
             notes.append(f"{self.again}: the base ran again into {FRESH_BASE}/, and the verdict "
                          f"is that run's{stale}")  # fmt: skip
@@ -407,6 +466,11 @@ def _framing(
         (labels[0], labels[1]), notes + ([warning] if warning else []),
         [c.line() for c in carried.carried], summary,
     )  # fmt: skip
+
+
+def _options(compare: Mapping[str, Any]) -> dict[str, Any]:
+    """The reading options of a check's comparison keywords (for an early stop's judge)."""
+    return {k: compare[k] for k in ("at_source_precision", "allow_skipped")}
 
 
 def carry_into_revisions(

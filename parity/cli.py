@@ -337,8 +337,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             raise SpecError("--golden runs the current tree; it takes no --base or --head")
         if args.carry:
             raise SpecError("--golden runs the current tree as it is; it takes no --carry")
-        if args.fresh or args.store:
-            raise SpecError("--golden runs the current tree once; it takes no --store or --fresh")
+        if args.fresh or args.store or args.run_out:
+            raise SpecError("--golden runs the current tree once; it takes no --store, --fresh "
+                            "or --run-out")  # fmt: skip
         result = check_golden(
             loaded, Path(args.golden), out, policies=policies, read=read,
             allow_teardown_failure=args.allow_teardown_failure,
@@ -349,13 +350,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     pair = check_revisions(
         loaded, args.base, args.head, out, policies=policies, read=read,
         allow_teardown_failure=args.allow_teardown_failure, carry=_carry(args), trace=args.trace,
-        store=_store(args.store), fresh=args.fresh,
+        store=_store(args.store), fresh=args.fresh, run_out=args.run_out,
     )  # fmt: skip
     return _check_printed(args, pair)
 
 
 def _store_arguments(parser: argparse.ArgumentParser, reused: str) -> None:
-    """--store and --fresh: the run store (parity.store) and a command that ignores it."""
+    """--store and --fresh: the run store (parity.store) and a command that ignores it;
+    --run-out: no early stop (parity.run.early)."""
     parser.add_argument(
         "--store",
         help=f"run store: {reused} reused from it where a run of the same tree, spec and "
@@ -364,6 +366,12 @@ def _store_arguments(parser: argparse.ArgumentParser, reused: str) -> None:
     )
     parser.add_argument(
         "--fresh", action="store_true", help="run everything, whatever the store holds"
+    )
+    parser.add_argument(
+        "--run-out",
+        action="store_true",
+        help="run every revision to its end (by default one judged against known numbers as "
+        "it writes its steps is stopped as soon as it diverges)",
     )
 
 
@@ -384,6 +392,8 @@ def _check_printed(args: argparse.Namespace, result) -> int:
         return EXIT_RUN_FAILED if result.verdict == "failed" else _exit(result.comparison)
     print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
     print(f"report: {result.report.with_name('report.html')}  {result.report}")
+    for line in result.stop_notes():
+        print(line)
     extra = {"diagnosis": result.diagnosis_dict()}
     if not result.teardown:
         return _report(result.comparison, False, extra)
@@ -444,7 +454,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         loaded, args.good, args.bad, Path(args.out), policies=policies,
         fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
         allow_skipped=read["allow_skipped"], carry=_carry(args), store=_store(args.store),
-        fresh=args.fresh,
+        fresh=args.fresh, run_out=args.run_out,
     )  # fmt: skip
     if args.json:
         print(json.dumps(result.to_dict(), allow_nan=False))

@@ -27,13 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from parity.files import LAUNCH_SUFFIX
 from parity.judge import topology
 from parity.judge.compare import Comparison, Policy, compare_frames, printable
 from parity.judge.diagnose import Diagnosis, diagnose
 from parity.judge.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
 from parity.outdir import OutDir, write_json_new, write_new
+from parity.record.runfolder import metrics_path
 from parity.run import job
+from parity.run.early import EarlyStop, judge_stopped, truncated
 from parity.run.job import Run
 from parity.run.launch import LaunchError, LaunchResult
 from parity.spec import JobSpec, PairSpec, SpecError
@@ -63,9 +67,17 @@ class SideRun:
         """The side's runner, parity.run.job.run_job (looked up now) unless it has its own."""
         return self.run or job.run_job
 
-    def __call__(self, spec: JobSpec, out: Path) -> Run:
-        """The side's run into out/<folder>; a failure only at teardown is returned, not raised."""
-        return self.runner()(spec, out / self.folder, label=self.label, allow_teardown_failure=True)
+    def __call__(self, spec: JobSpec, out: Path, early: EarlyStop | None = None) -> Run:
+        """The side's run into out/<folder>; a failure only at teardown is returned, not raised.
+        early: stopped as soon as it diverges (parity.run.early)."""
+        more = {"early": early} if early is not None else {}
+        return self.runner()(
+            spec, out / self.folder, label=self.label, allow_teardown_failure=True, **more
+        )
+
+    def early_stop(self, a: Run, out: Path, policies, **options: Any) -> EarlyStop:
+        """This side judged against ``a``'s numbers as it writes its steps, in out/<folder>."""
+        return EarlyStop(a.metrics, metrics_path(out / self.folder), policies, **options)
 
 
 @dataclass
@@ -104,7 +116,8 @@ class PairResult:
     def teardown(self) -> list[tuple[str, LaunchResult]]:
         """(side, launch) of each side that finished training, then crashed or hung at exit."""
         runs = zip(self.names, (self.a, self.b), strict=True)
-        return [(side, run.launch) for side, run in runs if not run.launch.ok]
+        return [(side, run.launch) for side, run in runs
+                if not run.launch.ok and not run.launch.stopped_early]  # fmt: skip
 
     @property
     def verdict(self) -> str:
@@ -151,7 +164,21 @@ class PairResult:
         and whether that differed, the op-trace rerun's line."""
         rerun = [self.trace_rerun.line()] if self.trace_rerun is not None else []
         where = topology_notes(self.a.dir, self.b.dir, self.verdict)
-        return [*self.framing.notes, *teardown_notes(self), *where, *rerun]
+        return [*self.framing.notes, *self.stop_notes(), *teardown_notes(self), *where, *rerun]
+
+    def stop_notes(self) -> list[str]:
+        """The line saying side B was stopped as it diverged (none when it ran to its end)."""
+        if self.b.stopped_at is None:
+            return []
+        return [f"{self.labels()[1]}: {self.b.launch.stopped_early}, as soon as it diverged; both "
+                f"sides compared up to step {self.b.stopped_at} (--run-out: run it to its "
+                "end)"]  # fmt: skip
+
+    def shown(self, run: Run) -> pd.DataFrame:
+        """A side's metrics as the report shows them: up to the step B was stopped at."""
+        if self.b.stopped_at is None:
+            return run.metrics
+        return truncated(run.metrics, self.b.stopped_at)
 
 
 def teardown_verdict(
@@ -239,10 +266,11 @@ def compare_pair(
     """The two runs of a pair compared under ``policies``: the one place a pair's result is
     made (run_pair's, check's and the pytest plugin's). ``out``: the pair's folder.
     at_source_precision, allow_skipped: as compare_frames takes them."""
-    comparison = compare_frames(
-        a.metrics, b.metrics, policies, at_source_precision=at_source_precision,
-        allow_skipped=allow_skipped,
-    )  # fmt: skip
+    options = {"at_source_precision": at_source_precision, "allow_skipped": allow_skipped}
+    if b.stopped_at is not None:  # stopped as it diverged: both sides up to there
+        comparison = judge_stopped(a.metrics, b.metrics, b.stopped_at, policies, **options)
+    else:
+        comparison = compare_frames(a.metrics, b.metrics, policies, **options)
     return PairResult(a, b, comparison, Path(out), allow_teardown_failure, floor=floor)
 
 
@@ -329,11 +357,14 @@ def run_sides(
     at_source_precision: bool = False,
     allow_skipped: bool = False,
     sides: tuple[SideRun, SideRun] | None = None,
+    stop_early: bool = False,
 ) -> PairResult:
     """Run the pair's sides into out/a and out/b (A twice first with noise_floor) and compare
     them; nothing is written beside the runs (finish_pair does that). sides: where and how each
     side runs instead (`parity check`: each revision in its worktree, into out/base and
-    out/head); not with in_process or noise_floor, which run side A here."""
+    out/head); not with in_process or noise_floor, which run side A here. stop_early: side B,
+    run after A, is judged against A's numbers as it writes its steps and stopped as soon as
+    it diverges (parity.run.early; the comparison then covers the steps up to there)."""
     out = Path(out).resolve()
     spec_a, spec_b = pair.sides()
     if sides is not None and (in_process or noise_floor):
@@ -355,7 +386,11 @@ def run_sides(
     else:
         if a is None:
             a = sides[0](spec_a, out)
-        b = sides[1](spec_b, out)
+        early = None
+        if stop_early and a.launch.ok:
+            options = {"at_source_precision": at_source_precision, "allow_skipped": allow_skipped}
+            early = sides[1].early_stop(a, out, policies, **options)
+        b = sides[1](spec_b, out, early)
     result = compare_pair(
         a, b, out, policies, allow_teardown_failure=allow_teardown_failure, floor=floor,
         at_source_precision=at_source_precision, allow_skipped=allow_skipped,
@@ -441,6 +476,9 @@ def write_summary(result: PairResult) -> None:
     }
     if result.trace_rerun is not None:
         summary["trace_rerun"] = result.trace_rerun.to_dict()
+    if result.b.stopped_at is not None:
+        summary["stopped_early"] = {"side": result.names[1], "step": result.b.stopped_at,
+                                    "line": result.b.launch.stopped_early}  # fmt: skip
     if result.floor is not None:
         summary["noise_floor"] = result.floor.to_dict()
     where = {side: topology.read(run.dir) for side, run in (("a", result.a), ("b", result.b))}
@@ -486,7 +524,7 @@ def write_pair_report(result: PairResult) -> Path:
     also kept as ``result.report``."""
     from parity.report import Report, side_of
 
-    sides = [side_of(run.metrics, run.dir, label)
+    sides = [side_of(result.shown(run), run.dir, label)
              for run, label in zip((result.a, result.b), result.labels(), strict=True)]  # fmt: skip
     made = Report(result.comparison, *sides, result.notes(), result.diagnose(),
                   result.framing.carried)  # fmt: skip

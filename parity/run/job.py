@@ -28,6 +28,7 @@ from parity.files import REPRODUCE_FILE, launch_dir, write_json_atomic
 from parity.outdir import OutDir
 from parity.readers import FORMATS, MetricsError, detect, read_metrics
 from parity.record.runfolder import METRICS, manifest_path, metrics_path
+from parity.run.early import EarlyStop
 from parity.run.launch import (
     Launcher,
     LaunchError,
@@ -52,6 +53,9 @@ class Run:
     launch: LaunchResult
     metrics: pd.DataFrame
     in_process: bool = False  # ran in one launch with the other side (parity.run.inprocess)
+    #: the step after which it was stopped as it diverged (parity.run.early); its metrics end
+    #: there. None: it ran to its end
+    stopped_at: int | None = None
 
     @property
     def manifest(self) -> dict:
@@ -196,6 +200,7 @@ def launch_spec(
     env: Mapping[str, str] | None = None,
     exit_grace_s: float = 60.0,
     origin: Mapping[str, Any] | None = None,
+    early: EarlyStop | None = None,
 ) -> LaunchResult:
     """Launch ``spec`` with ``out`` as its output folder: the one way every job is started.
 
@@ -209,8 +214,13 @@ def launch_spec(
     is failed.
     The folder it ran in (and ``origin``: the temporary worktree it was, for check and bisect)
     goes to the launch folder's reproduce.json, for the report's commands to rerun it later.
+    ``early``: judged as it writes its steps (parity.run.early: it follows out's metrics.jsonl)
+    and stopped as soon as it diverges (the result's ``stopped_early``), on this machine's
+    one-node launchers; elsewhere it runs to its end.
     """
     out = Path(out).resolve()
+    if early is not None and not early_stoppable(spec):
+        early = None
     with OutDir.open(out.parent) as held:
         held.make_dir(out.name)
         logs = held.make_dir(launch_dir(out).name)
@@ -218,7 +228,7 @@ def launch_spec(
         since = time.time()
         on_tick = progress.tick
         if spec.launcher.kind != "slurm":  # Slurm: the timeout alone (docs/clusters.md)
-            on_tick = _watching(progress, StallWatch(metrics_path(out), spec.stall))
+            on_tick = _watching(progress, StallWatch(metrics_path(out), spec.stall), early)
         request = LaunchRequest(
             spec.to_args(out),
             nproc=spec.nproc_per_node,
@@ -258,15 +268,32 @@ def expect_world(spec: JobSpec) -> int | None:
     return spec.world_size if spec.distributed or spec.world_size > 1 else None
 
 
-def _watching(progress: Progress, watch: StallWatch) -> Callable[[], None]:
+def _watching(
+    progress: Progress, watch: StallWatch, early: EarlyStop | None = None
+) -> Callable[[], None]:
     """The launch's on_tick: the progress display, then the stall check (which raises
-    parity.run.stall.Stalled; the launcher then takes each rank's stack and kills the job)."""
+    parity.run.stall.Stalled; the launcher then takes each rank's stack and kills the job),
+    then the early stop's judgement (parity.run.early.Diverging: the launcher stops the job)."""
 
     def tick() -> None:
         progress.tick()
         watch.check()
+        if early is not None:
+            early.check()
 
     return tick
+
+
+def early_stoppable(spec: JobSpec) -> bool:
+    """Whether ``spec``'s launches can be stopped at a divergence: one node on this machine
+    (Slurm's and several nodes' launches run to their end)."""
+    return spec.launcher.kind != "slurm" and spec.nnodes == 1
+
+
+def stopped_run(spec: JobSpec, out: Path, result: LaunchResult, early: EarlyStop) -> Run:
+    """The Run of a launch stopped as it diverged: its metrics up to the step judged."""
+    assert early.frame is not None and early.step is not None
+    return Run(spec, Path(out).resolve(), result, early.frame, stopped_at=early.step)
 
 
 ALLOCATION = "allocation"  # the folder of a pair's (check's, bisect's) one Slurm allocation
@@ -299,6 +326,7 @@ def run_job(
     *,
     allow_teardown_failure: bool = False,
     exit_grace_s: float = 60.0,
+    early: EarlyStop | None = None,
 ) -> Run:
     """Launch one job (``launch_spec``); raise LaunchError (rank, exit code or signal, log
     tail; or the world its ranks formed instead) if it failed, its message led by ``label``
@@ -309,10 +337,13 @@ def run_job(
     ``run.launch.ok`` False, so that the metrics can still be compared. A job still running
     ``exit_grace_s`` after its end record is killed as hung at exit (teardown-hang) rather than
     left to its timeout. ``spec.nnodes`` > 1 runs every node's torchrun on this machine
-    (``launch_nodes``).
+    (``launch_nodes``). ``early``: stopped as soon as it diverges (``launch_spec``); its Run
+    then holds the steps judged, ``stopped_at`` the last.
     """
     out = Path(out).resolve()
-    result = launch_spec(spec, out, label or out.name, exit_grace_s=exit_grace_s)
+    result = launch_spec(spec, out, label or out.name, exit_grace_s=exit_grace_s, early=early)
+    if result.stopped_early and early is not None:
+        return stopped_run(spec, out, result, early)
     if not result.ok:
         metrics = mark_teardown(result, metrics_path(out), result.started_at)
         if metrics is None or not allow_teardown_failure:

@@ -38,7 +38,7 @@ from typing import IO, Protocol
 from parity.rank.pdeathsig import parent_death_signal
 from parity.run import stacks, world
 from parity.run.proc_scan import carrying, kill_carrying, scan_proc
-from parity.run.results import LaunchError, LaunchResult
+from parity.run.results import LaunchError, LaunchResult, Stopped
 from parity.run.signals import deferred
 from parity.run.stall import Stalled
 from parity.run.torchrun_logs import (
@@ -194,9 +194,9 @@ def launch(request: LaunchRequest) -> LaunchResult:
         ended = _supervise(cmd, env, request, stdout=log, stderr=subprocess.STDOUT,
                            world_dir=world_dir)  # fmt: skip
     result = ended.result(run_dir, launcher_log, find_rank_logs(log_dir, before), world_dir)
-    if request.expect_world is not None:
+    if request.expect_world is not None and not result.stopped_early:  # killed: no exit record
         result.set_fault("world", world.judge(world_dir, request.expect_world))
-    if not result.ok and not result.timed_out and not result.stalled:
+    if not result.ok and not result.timed_out and not result.stalled and not result.stopped_early:
         result.failures = parse_failures(launcher_log.read_text(errors="replace"), result)
     return result
 
@@ -244,10 +244,10 @@ def launch_plain(request: LaunchRequest) -> LaunchResult:
         log.write(f"# exited: {ended.returncode}{how}\n")
     result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, world_dir)
     result.started_as = "job (one process, no torchrun)"
-    if request.expect_world is not None and request.expect_world > 1:
+    if request.expect_world is not None and request.expect_world > 1 and not result.stopped_early:
         result.set_fault("world", world.judge(world_dir, request.expect_world))
     code = result.returncode
-    if not result.ok and not result.timed_out and not result.stalled and code:
+    if not (result.ok or result.timed_out or result.stalled or result.stopped_early) and code:
         result.failures = [RankFailure(0, code, signal_name(code), result.tail(0), 0)]
     return result
 
@@ -303,6 +303,8 @@ class _Ended:
     stalled: str = ""
     #: where each rank waited then, and the dumps kept (parity.run.stacks)
     stacks: tuple[str, list[Path]] = ("", [])
+    #: set when on_tick stopped it as it had said enough (parity.run.results.Stopped)
+    stopped: str = ""
 
     def result(
         self, run_dir: Path, launcher_log: Path, rank_logs: dict[int, Path], world_dir: Path
@@ -312,6 +314,7 @@ class _Ended:
             run_dir=run_dir, timeout_s=self.timeout_s, launcher_log=launcher_log,
             launch_id=self.launch_id, rank_logs=rank_logs, world_dir=world_dir,
             stalled=self.stalled, stacks=self.stacks[0], stack_files=self.stacks[1],
+            stopped_early=self.stopped,
         )  # fmt: skip
         if self.hung_after_s is not None:
             result.note = (
@@ -340,7 +343,7 @@ def _supervise(
     launch_id = env[LAUNCH_ID_ENV]
     timeout_s, on_tick, finished = request.timeout_s, request.on_tick, request.finished
     exit_grace_s, kill_grace_s = request.exit_grace_s, request.kill_grace_s
-    timed_out, stalled, dumped = False, "", ("", [])
+    timed_out, stalled, stopped, dumped = False, "", "", ("", [])
     start = time.monotonic()
     deadline, exit_by = start + timeout_s, None
     proc = watchdog = None
@@ -370,6 +373,8 @@ def _supervise(
     except Stalled as e:
         stalled = e.line
         dumped = _dump_stacks(proc, env, world_dir)
+    except Stopped as e:
+        stopped = e.line
     finally:
         # also reached on KeyboardInterrupt, SIGTERM, SIGHUP (parity.run.signals) or any other
         # exception in this process; a signal during the cleanup waits for its end
@@ -383,7 +388,7 @@ def _supervise(
             stacks.tidy(Path(env[stacks.STACKS_DIR_ENV]))
     assert proc is not None
     ended = _Ended(proc.returncode, timed_out, time.monotonic() - start, timeout_s, launch_id,
-                   stalled=stalled, stacks=dumped)  # fmt: skip
+                   stalled=stalled, stacks=dumped, stopped=stopped)  # fmt: skip
     if timed_out and deadline == exit_by:
         ended.timeout_s = round(exit_by - start, 1)
         ended.hung_after_s = exit_grace_s

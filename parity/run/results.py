@@ -54,6 +54,8 @@ class LaunchResult:
     started_as: str = "torchrun job"
     #: set when the job was stopped as hung: how long it went without a new step
     stalled: str = ""
+    #: set when the job was stopped as soon as its numbers diverged (parity.run.early): where
+    stopped_early: str = ""
     #: where each rank waited when it was stopped (stall or timeout; parity.run.stacks), and
     #: the files that hold each rank's whole stacks
     stacks: str = ""
@@ -61,7 +63,8 @@ class LaunchResult:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and not self.fault and not self.stalled
+        return (self.returncode == 0 and not self.timed_out and not self.fault
+                and not self.stalled and not self.stopped_early)  # fmt: skip
 
     @property
     def reason(self) -> str:
@@ -73,6 +76,8 @@ class LaunchResult:
         """
         if self.ok:
             return "ok"
+        if self.stopped_early:
+            return "stopped-early"
         if self.fault and self.returncode == 0 and not self.timed_out:
             return self.fault_kind
         if self.output_complete:
@@ -116,6 +121,7 @@ class LaunchResult:
             **({"note": self.note} if self.note else {}),
             **({"fault": self.fault} if self.fault else {}),
             **({"stall": self.stalled} if self.stalled else {}),
+            **({"stopped_early": self.stopped_early} if self.stopped_early else {}),
             **({"stacks": self.stacks} if self.stacks else {}),
             **({"stack_files": [str(p) for p in self.stack_files]} if self.stack_files else {}),
         }
@@ -144,6 +150,8 @@ class LaunchResult:
         where = f"run dir {self.run_dir}"
         if self.ok:
             return f"{self.started_as} succeeded in {self.duration_s:.1f} s ({where})"
+        if self.stopped_early:
+            return f"{self.started_as} {self.stopped_early} after {self.duration_s:.1f} s ({where})"
         if self.reason == self.fault_kind and self.fault:  # ranks exited 0, yet it failed
             return f"{self.fault} (launch logs: {self.run_dir})"
         lines: list[str] = []
@@ -195,6 +203,16 @@ class LaunchResult:
             lines += ["no rank failure found; launcher log tail:"]
             lines.append(indent(tail_file(self.launcher_log, n_lines) or "<empty>"))
         return "\n".join(lines)
+
+
+class Stopped(Exception):
+    """Raised from a launch's on_tick to stop a job that is not hung but has said what it was
+    run for (parity.run.early: it diverged); ``line`` says where. The launch ends with
+    ``stopped_early`` set to it, no stacks taken."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line
 
 
 class LaunchError(RuntimeError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,10 @@ def test_refactor_that_changes_a_number_diverges_at_step_3(diverged, repo):
     assert result["base"] == {"rev": "HEAD~1", "commit": git(repo, "rev-parse", "HEAD~1").strip()}
     assert result["head"] == {"rev": "HEAD", "commit": after["head"].strip()}
     md = (out / "report.md").read_text()
-    assert "diverged" in md and "| train/loss | diverged | exact | 5 | 3 |" in md
+    # 5 steps compared, or fewer where the head was stopped at its divergence (parity.run.early)
+    assert "diverged" in md and re.search(
+        r"\| train/loss \| diverged \| exact \| [345] \| 3 \|", md
+    )
     assert (out / "report.html").is_file()
     assert (out / "base" / "metrics.jsonl").is_file() and (out / "head" / "metrics.jsonl").is_file()
 

@@ -12,7 +12,9 @@ import pytest
 
 from parity.judge.compare import Comparison, compare_frames
 from parity.judge.diagnose import rank_agreement
+from parity.run.early import EarlyStop, judge_stopped
 from parity.spec import PairSpec
+from tests.run.test_early import replay
 from tests.specs import (
     EPOCHS,
     FINGERPRINTED,
@@ -84,7 +86,7 @@ def _check(runner, mutant: str) -> Comparison:
 
 
 @pytest.mark.parametrize("mutant", sorted(CHECKS))
-def test_mutant_is_caught_where_expected(parity_runner, parity_mutant_score, mutant):
+def test_mutant_is_caught_where_expected(parity_runner, parity_mutant_score, mutant, tmp_path):
     _, _, metric, step = CHECKS[mutant]
     comparison = _check(parity_runner, mutant)
     parity_mutant_score(mutant, comparison.verdict == "diverged")
@@ -93,6 +95,29 @@ def test_mutant_is_caught_where_expected(parity_runner, parity_mutant_score, mut
     assert result.status == "diverged" and result.first_divergent_step == step, comparison.table()
     first = min(r.first_divergent_step for r in comparison.failures)
     assert first == step, comparison.table()  # nothing diverges earlier than the named metric
+    if CHECKS[mutant][0] == "pair":
+        _stops_early_alike(legacy_vs_worker(parity_runner, CHECKS[mutant][1], [mutant]), tmp_path)
+
+
+def _stops_early_alike(pair, folder) -> None:
+    """Side B's metrics.jsonl replayed line by line through the early stop (parity.run.early)
+    against side A's numbers, as `check` judges a head while it runs: stopped, with the whole
+    pair's verdict and first divergence (metric, step, values). A divergence at the last step
+    stops nothing: the run has ended by the time that step is known to be whole."""
+    early = EarlyStop(pair.a.metrics, folder / "metrics.jsonl")
+    lines = pair.b.dir.joinpath("metrics.jsonl").read_text().splitlines()
+    whole = pair.comparison
+    stopped_after = replay(early, lines)
+    if whole.first_divergence().first_divergent_step == pair.b.metrics.index.max():
+        assert stopped_after is None and early.step is None
+        return
+    assert stopped_after is not None, "the early stop never stopped"
+    stopped = judge_stopped(pair.a.metrics, early.frame, early.step)
+    assert stopped.verdict == whole.verdict
+    s, w = stopped.first_divergence(), whole.first_divergence()
+    assert (s.name, s.first_divergent_step, s.a_value, s.b_value) == (
+        w.name, w.first_divergent_step, w.a_value, w.b_value
+    )  # fmt: skip
 
 
 def test_seq_mean_dp_scaling_is_invisible_at_one_rank(parity_runner):
