@@ -17,38 +17,69 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
-    from parity.bisect import bisect
-    from parity.check import check_revisions
+    from parity.bisect import bisect, bisect_revisions
+    from parity.check import check_golden, check_revisions
     from parity.errors import InputError, SpecError
-    from parity.judge.compare import Policy, compare_frames
+    from parity.git import RevisionError
+    from parity.judge.compare import Policy, compare_frames, compare_runs
     from parity.pair import run_pair
     from parity.plugin import assert_parity
-    from parity.readers import read_metrics
+    from parity.readers import MetricsError, read_metrics
+    from parity.report import build_report
     from parity.run.job import run_job
+    from parity.run.launch import LaunchError
     from parity.spec import JobSpec, PairSpec
     from parity.store import RunStore
 
 #: each public name and the module it lives in
 _HOMES = {
+    # one function per command: pair, compare, report, check (revisions, golden), bisect
     "run_pair": "parity.pair",
+    "compare_runs": "parity.judge.compare",
+    "build_report": "parity.report",
+    "check_revisions": "parity.check",
+    "check_golden": "parity.check",
+    "bisect": "parity.bisect",
+    "bisect_revisions": "parity.bisect",
+    # the parts they are made of
     "run_job": "parity.run.job",
     "JobSpec": "parity.spec",
     "PairSpec": "parity.spec",
     "compare_frames": "parity.judge.compare",
     "Policy": "parity.judge.compare",
     "read_metrics": "parity.readers",
-    "check_revisions": "parity.check",
-    "bisect": "parity.bisect",
+    "RunStore": "parity.store",
     "assert_parity": "parity.plugin",
+    # the errors a caller catches: bad input (exit 2), a run that failed (exit 3)
     "InputError": "parity.errors",
     "SpecError": "parity.errors",
-    "RunStore": "parity.store",
+    "MetricsError": "parity.readers",
+    "RevisionError": "parity.git",
+    "LaunchError": "parity.run.launch",
 }
 
 __all__ = [
-    "InputError", "JobSpec", "PairSpec", "Policy", "RunStore", "SpecError", "assert_parity",
-    "bisect", "check_revisions", "compare_frames", "read_metrics", "run_job", "run_pair",
-]  # fmt: skip
+    "InputError",
+    "JobSpec",
+    "LaunchError",
+    "MetricsError",
+    "PairSpec",
+    "Policy",
+    "RevisionError",
+    "RunStore",
+    "SpecError",
+    "assert_parity",
+    "bisect",
+    "bisect_revisions",
+    "build_report",
+    "check_golden",
+    "check_revisions",
+    "compare_frames",
+    "compare_runs",
+    "read_metrics",
+    "run_job",
+    "run_pair",
+]
 
 
 def __getattr__(name: str):

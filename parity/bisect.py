@@ -49,7 +49,7 @@ from parity.run.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
 from parity.store import RunKey, RunStore, run_key, tree_of
 
-__all__ = ["BisectResult", "TestedCommit", "bisect"]
+__all__ = ["BisectResult", "TestedCommit", "bisect", "bisect_revisions"]
 
 _ANSWER = {"aligned": "good", "diverged": "bad"}  # anything else, a failed run: "skip"
 _FIRST_BAD = re.compile(r"^([0-9a-f]{40}) is the first bad commit", re.MULTILINE)
@@ -397,6 +397,10 @@ def bisect(
                 root=root, run_out=run_out,
             )  # fmt: skip
             return _bisect(state, shared)
+
+
+#: `parity bisect` as the package's API names it beside check_revisions
+bisect_revisions = bisect
 
 
 #: what a bisection writes in its folder: the reference run, the tested commits' runs and

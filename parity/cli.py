@@ -20,8 +20,8 @@ import traceback
 from pathlib import Path
 
 from parity.errors import InputError
-from parity.judge.compare import Comparison, Policy, compare_frames
-from parity.readers import DUPLICATE_RULES, FORMATS, read_metrics
+from parity.judge.compare import Comparison, Policy, compare_runs
+from parity.readers import DUPLICATE_RULES, FORMATS
 from parity.readers.frame import clip_message
 from parity.report import build_report
 from parity.run.launch import LaunchError
@@ -116,6 +116,14 @@ def _job_from_args(args: argparse.Namespace) -> JobSpec | PairSpec:
     if isinstance(loaded, JobSpec):
         return base
     return PairSpec(base, loaded.a, loaded.b, loaded.source)
+
+
+def _one_job(args: argparse.Namespace, what: str) -> JobSpec:
+    """The job of check and bisect (``_job_from_args``): one, run on every revision."""
+    loaded = _job_from_args(args)
+    if not isinstance(loaded, JobSpec):
+        raise SpecError(f"{args.spec}: {what}, not an [a]/[b] pair")
+    return loaded
 
 
 def _launcher_change(args: argparse.Namespace, spec: JobSpec) -> dict | None:
@@ -250,17 +258,13 @@ def _read_options(args: argparse.Namespace, side: str) -> dict:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    a = read_metrics(args.a, args.format, **_read_options(args, "a"))
-    b = read_metrics(args.b, args.format, **_read_options(args, "b"))
-    comparison = compare_frames(
-        a,
-        b,
-        _policies(args.policy),
-        allow_missing=args.allow_missing,
-        allow_incomplete=args.allow_incomplete,
-        allow_skipped=args.allow_skipped,
+    comparison = compare_runs(
+        args.a, args.b, _policies(args.policy), fmt=args.format,
+        run_a=_read_options(args, "a")["run"], run_b=_read_options(args, "b")["run"],
+        duplicates=args.duplicates, allow_missing=args.allow_missing,
+        allow_incomplete=args.allow_incomplete, allow_skipped=args.allow_skipped,
         at_source_precision=args.at_source_precision,
-    )
+    )  # fmt: skip
     extra = {"diagnosis": _diagnosis(args.a, args.b, comparison)}
     line = _topology_line(args.a, args.b, comparison.verdict)
     if line:
@@ -326,10 +330,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from parity.check import check_golden, check_revisions
 
-    loaded = load_spec(args.spec)
-    if not isinstance(loaded, JobSpec):
-        raise SpecError(f"{args.spec}: check runs one job spec on both sides, not an [a]/[b] pair")
-    loaded = _with_launcher(loaded, args, f"{args.spec} with --launcher")
+    loaded = _one_job(args, "check runs one job spec on both sides")
     out, policies = Path(args.out), _with_spec(_policies(args.policy), args.spec)
     read = _run_read_options(args)
     if args.golden is not None:
@@ -446,10 +447,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
     policies = _with_spec(_policies(args.policy), args.spec)
     read = _run_read_options(args)
-    loaded = load_spec(args.spec)
-    if not isinstance(loaded, JobSpec):
-        raise SpecError(f"{args.spec}: bisect runs one job spec, not an [a]/[b] pair")
-    loaded = _with_launcher(loaded, args, f"{args.spec} with --launcher")
+    loaded = _one_job(args, "bisect runs one job spec")
     result = bisect(
         loaded, args.good, args.bad, Path(args.out), policies=policies,
         fmt=read["format"], run=read["run"], duplicates=read["duplicates"],
@@ -601,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a mutant applied to side A (repeat it; `parity mutants`)")  # fmt: skip
     pair.add_argument("--inject-b", action="append", default=[], metavar="MUTANT",
                       help="a mutant applied to side B, as --inject-a")  # fmt: skip
-    pair.add_argument("--out", required=True,
+    pair.add_argument("--out", default="runs/pair",
                       help="folder for a/, b/, summary.json and the report")  # fmt: skip
     pair.add_argument(
         "--parallel", action="store_true",
@@ -641,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write report.md and report.html for two runs")
     report.add_argument("a", help="side A: a metric file or run folder")
     report.add_argument("b", help="side B: a metric file or run folder")
-    report.add_argument("-o", "--out", required=True, help="folder for report.md/report.html")
+    report.add_argument("-o", "--out", default="runs/report",
+                        help="folder for report.md/report.html")  # fmt: skip
     _read_arguments(report)
     report.set_defaults(func=cmd_report)
 
@@ -651,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--base", help="git revision of side A, e.g. origin/main")
     check.add_argument("--head", help="git revision of side B (default: HEAD)")
     check.add_argument("--golden", help="stored metrics file to compare the current tree with")
-    check.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
+    _job_arguments(check)
     check.add_argument("--out", default="runs/check", help="run folders and report")
     check.add_argument("--allow-teardown-failure", action="store_true", help=_TEARDOWN_HELP)
     check.add_argument(
@@ -662,7 +661,6 @@ def build_parser() -> argparse.ArgumentParser:
         "divergent step with every op traced (the first differing op; on by default)",
     )
     _store_arguments(check, "the base")
-    _launcher_argument(check)
     _run_read_arguments(check)
     _carry_argument(check)
     check.set_defaults(func=cmd_check)
@@ -672,10 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bis.add_argument("--good", required=True, help="revision whose run is the reference")
     bis.add_argument("--bad", required=True, help="a later revision whose run diverges")
-    bis.add_argument("--spec", type=Path, required=True, help="TOML/YAML job spec")
+    _job_arguments(bis)
     bis.add_argument("--out", default="runs/bisect", help="reference, tested runs, bisect.json")
     _store_arguments(bis, "the good revision and every commit")
-    _launcher_argument(bis)
     _run_read_arguments(bis)
     _carry_argument(bis)
     bis.set_defaults(func=cmd_bisect)
@@ -796,7 +793,8 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a key of the job, both sides (repeat it; VALUE read as YAML: 3, true, [a, b])",
     )  # fmt: skip
-    parser.add_argument("--world", type=int, default=None, help="world_size: ranks in all")
+    parser.add_argument("--world-size", "--world", dest="world", type=int, default=None,
+                        help="world_size: ranks in all")  # fmt: skip
     parser.add_argument("--nnodes", type=int, default=None, help="torchrun nodes (this host)")
     parser.add_argument(
         "--steps",
@@ -805,7 +803,8 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
         help="what progress counts to (a preset trains this many)",
     )
     parser.add_argument("--seed", type=int, default=None, help="a preset's seed")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    parser.add_argument("--timeout-s", "--timeout", dest="timeout", type=float, default=None,
+                        help="timeout_s: seconds per run")  # fmt: skip
     _launcher_argument(parser)
 
 

@@ -57,6 +57,40 @@ _register_subject_presets()
 os.environ["PARITY_STORE"] = "off"
 
 
+#: parity tests that time a job (a stall, a timeout, a signal, a kill): CI runs them with nothing
+#: beside them (ci/test.sh: -m serial), the rest two at a time
+SERIAL = (
+    "tests/run/test_stall.py",
+    "tests/run/test_signals.py",
+    "tests/run/test_launch.py",
+    "tests/run/test_orphans.py",
+    "tests/project/test_gpu_check.py::test_a_hung_check_is_stopped_and_the_next_runs",
+    "tests/subjects/test_subject_verl_rl.py::test_sigterm_mid_run_leaves_no_ray_process",
+)
+#: files whose tests share a session fixture (the catalogue's plain launches): one xdist group
+SHARED_GROUPS = {"tests/run/test_fastpaths.py": "catalogue", "tests/run/test_slurm.py": "catalogue"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "serial: a parity test that times a job; CI runs it with nothing beside it"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each parity test's pytest-xdist group (ci/test.sh: --dist loadgroup): its file's, so
+    that a module's fixtures are made once (files sharing a session fixture: one group); the
+    tests that time a job marked serial."""
+    for item in items:
+        if item.get_closest_marker("parity") is None or item.get_closest_marker("xdist_group"):
+            continue
+        path = item.nodeid.split("::")[0]
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(path, path)))
+
+
 @pytest.fixture
 def interruptible() -> Callable[[], None]:
     """Popen(preexec_fn=interruptible): a child that a SIGINT interrupts even when this test run

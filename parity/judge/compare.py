@@ -6,6 +6,7 @@ and the JSON a script reads. Policy and ulp_distance are re-exported here for ca
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,7 @@ from parity.readers import (
     IncompleteRunError,
     MetricsError,
     SkippedRecordsError,
+    read_metrics,
     read_summary,
     skipped_count,
 )
@@ -816,6 +818,33 @@ def compare_frames(
         steps_only_in_b=only_b,
         reads={side: _read_info(frame, side) for side, frame in (("a", a), ("b", b))},
     )
+
+
+def compare_runs(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    policies: Mapping[str, Policy | str] | None = None,
+    *,
+    fmt: str | None = None,
+    run_a: str | None = None,
+    run_b: str | None = None,
+    duplicates: str = "error",
+    allow_missing: bool = False,
+    allow_incomplete: bool = False,
+    allow_skipped: bool = False,
+    at_source_precision: bool = False,
+) -> Comparison:
+    """What `parity compare` does: two metric files or run folders (any format a reader
+    claims, or ``fmt``) read and compared under ``policies``; run_a, run_b: the run to read in
+    a folder holding several; the rest as compare_frames takes them. Raises MetricsError (a
+    file that cannot be read) or IncompleteRunError / SkippedRecordsError (no verdict from a
+    partial read)."""
+    frames = [read_metrics(path, fmt, run=run, duplicates=duplicates)
+              for path, run in ((a, run_a), (b, run_b))]  # fmt: skip
+    return compare_frames(
+        *frames, policies, allow_missing=allow_missing, allow_incomplete=allow_incomplete,
+        allow_skipped=allow_skipped, at_source_precision=at_source_precision,
+    )  # fmt: skip
 
 
 def _nothing_compared(a: pd.DataFrame, b: pd.DataFrame, names: list[str], ignored) -> str:

@@ -60,8 +60,10 @@ class EarlyStop:
         self.metrics_file = Path(metrics_file)
         self.options = {"at_source_precision": at_source_precision,
                         "allow_skipped": allow_skipped}  # fmt: skip
-        self.offset, self.partial, self.lines = 0, b"", b""
-        self.steps: list[int] = []
+        self.offset, self.partial = 0, b""
+        self.lines: list[bytes] = []  # every whole line read, for the frame at the stop
+        self.unjudged: list[tuple[int, bytes]] = []  # (step, line) of the lines not judged yet
+        self.last: int | None = None  # the largest step seen
         self.judged: int | None = None  # the last step judged
         self.step: int | None = None  # the step it stopped after (set with Diverging)
         self.frame: pd.DataFrame | None = None
@@ -87,68 +89,93 @@ class EarlyStop:
             if line.startswith(_END):
                 return False  # finished: the run is compared whole
             if m := _STEP.match(line):
-                self.steps.append(int(m[1]))
-            self.lines += line + b"\n"
+                step = int(m[1])
+                self.unjudged.append((step, line))
+                self.last = step if self.last is None else max(self.last, step)
+            self.lines.append(line)
         return True
 
     def check(self) -> None:
-        """Judge the steps finished since the last call; raise Diverging at a divergence."""
-        if self.step is not None or self.departed or not self._read() or len(set(self.steps)) < 2:
+        """Judge the steps finished since the last call (each line once: the cost of a tick is
+        what was written since the last one); raise Diverging at a divergence."""
+        if self.step is not None or self.departed or not self._read() or self.last is None:
             return
-        last = max(self.steps)
-        done = max(s for s in self.steps if s < last)
-        if self.judged is not None and done <= self.judged:
+        finished = [s for s, _ in self.unjudged if s < self.last]
+        if not finished:
             return
+        done = max(finished) if self.judged is None else max(self.judged, *finished)
+        new = [line for s, line in self.unjudged if s <= done]
+        self.unjudged = [(s, line) for s, line in self.unjudged if s > done]
         self.judged = done
-        comparison, frame = self._judge(done)
+        comparison = self._compare(new)
         if comparison is None:
             return
         if self.until is not None:
             if comparison.first_divergence() is not None:
                 self.departed = True  # not what it confirms: the whole run is wanted
-            elif done >= self.until and frame is not None:
-                self.step, self.frame = self.until, truncated(frame, self.until)
+            elif done >= self.until and self._stop_at(self.until):
                 raise Stopped(f"stopped after step {self.until}, where the other side was "
                               "stopped, every step the same as before")  # fmt: skip
             return
-        if comparison.first_divergence() is None:
+        if comparison.first_divergence() is None or not self._stop_at(done):
             return
-        self.step, self.frame, self.comparison = done, frame, comparison
-        first = comparison.first_divergence()
+        first = self.comparison.first_divergence()
         raise Diverging(
             f"stopped after step {done}: {first.name} diverged at step "
             f"{first.first_divergent_step} ({first.first_divergent_policy or first.policy})"
         )
 
-    def _judge(self, done: int) -> tuple[Comparison | None, pd.DataFrame | None]:
-        """The comparison of the steps up to ``done``, and the run's frame of them; (None, None)
-        when the lines so far cannot be read (the full read at the end says why)."""
+    def _read_lines(self, lines: list[bytes]) -> pd.DataFrame:
+        """``lines`` read as the recorder's metrics.jsonl (MetricsError where they cannot be)."""
         path = metrics_path(self._tmp.name)
-        path.write_bytes(self.lines)
+        path.write_bytes(b"".join(line + b"\n" for line in lines))
+        frame = read_metrics(path, "jsonl")
+        frame.attrs["source"] = str(self.metrics_file)  # what it is a part of
+        return frame
+
+    def _compare(self, lines: list[bytes]) -> Comparison | None:
+        """The steps of ``lines`` against the reference's same steps; None when they cannot be
+        read (the whole run's read says why)."""
         try:
-            frame = truncated(read_metrics(path, "jsonl"), done)
-            frame.attrs["source"] = str(self.metrics_file)  # what it is a prefix of
-            comparison = compare_frames(
-                truncated(self.reference, done), frame, self.policies,
-                allow_incomplete=True, allow_nothing_compared=True, **self.options,
-            )  # fmt: skip
+            frame = self._read_lines(lines)
+            reference = rows(self.reference, self.reference.index.isin(frame.index))
+            return compare_frames(reference, frame, self.policies, allow_incomplete=True,
+                                  allow_nothing_compared=True, **self.options)  # fmt: skip
         except MetricsError:
-            return None, None
-        return comparison, frame
+            return None
+
+    def _stop_at(self, step: int) -> bool:
+        """Keep the run's frame up to ``step`` and its comparison (every line read so far,
+        once); False, and no stop, when they cannot be read or the divergence is not there."""
+        try:
+            frame = truncated(self._read_lines(self.lines), step)
+            comparison = prefix_comparison(self.reference, frame, step, self.policies,
+                                           **self.options)  # fmt: skip
+        except MetricsError:
+            return False
+        if self.until is None and comparison.first_divergence() is None:
+            return False
+        self.step, self.frame, self.comparison = step, frame, comparison
+        return True
 
     def close(self) -> None:
         self._tmp.cleanup()
 
 
-def truncated(frame: pd.DataFrame, step: int) -> pd.DataFrame:
-    """``frame``'s rows up to ``step``, with its attrs (sources, precision, read notes; the
-    cells present cut alike)."""
-    cut = frame.loc[frame.index <= step].copy()
+def rows(frame: pd.DataFrame, keep) -> pd.DataFrame:
+    """``frame``'s rows where ``keep`` (a boolean mask of its index), with its attrs (sources,
+    precision, read notes; the cells present cut alike)."""
+    cut = frame.loc[keep].copy()
     cut.attrs = dict(frame.attrs)
     present = cut.attrs.get("present")
     if isinstance(present, pd.DataFrame):
-        cut.attrs["present"] = present.loc[present.index <= step]
+        cut.attrs["present"] = present.loc[present.index.isin(cut.index)]
     return cut
+
+
+def truncated(frame: pd.DataFrame, step: int) -> pd.DataFrame:
+    """``frame``'s rows up to ``step``, with its attrs (``rows``)."""
+    return rows(frame, frame.index <= step)
 
 
 def prefix_comparison(

@@ -204,3 +204,36 @@ def test_spec_command_prints_each_side_s_launch_line_and_runs_nothing(tmp_path, 
     assert "--nproc-per-node 2" in a and a.endswith("train.py --out_dir OUT/a")
     assert b.startswith("NEW_IMPL=1 ") and b.endswith("--out_dir OUT/b") and "s3cret" not in b
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.toml"]
+
+
+@pytest.mark.parametrize("command", ["check", "bisect"])
+def test_check_and_bisect_take_the_job_flags_pair_takes(tmp_path, capsys, monkeypatch, command):
+    """The same job flags on every command that runs jobs, named as the spec keys (the shorter
+    spellings kept): the job check and bisect would run, and a pair spec refused there."""
+    import parity.bisect
+    import parity.check
+
+    seen = []
+
+    def stop(spec, *args, **kwargs):
+        seen.append(spec)
+        raise parity.check.RevisionError("stopped before any run")
+
+    monkeypatch.setattr(parity.check, "check_revisions", stop)
+    monkeypatch.setattr(parity.bisect, "bisect", stop)
+    revs = ["--base", "v1"] if command == "check" else ["--good", "v1", "--bad", "v2"]
+    args = [command, *revs, "--task", "charcount-sft", "--set", "micro_batch_size=2"]
+    args += ["--world-size", "1", "--steps", "3", "--seed", "7", "--timeout-s", "90"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert "stopped before any run" in capsys.readouterr().err
+    (job,) = seen
+    assert (job.task, job.world_size, job.steps, job.seed, job.timeout_s) == (
+        "charcount-sft", 1, 3, 7, 90.0
+    )  # fmt: skip
+    assert job.micro_batch_size == 2
+    assert main([*args[:-8], "--world", "2", "--timeout", "60"]) == 2  # the old spellings
+    assert (seen[-1].world_size, seen[-1].timeout_s) == (2, 60.0)
+    pair = tmp_path / "pair.toml"
+    pair.write_text('task = "charcount-sft"\n[a]\ntrainer = "legacy"\n[b]\ntrainer = "worker"\n')
+    assert main([command, *revs, "--spec", str(pair), "--out", str(tmp_path / "o")]) == 2
+    assert "not an [a]/[b] pair" in capsys.readouterr().err and len(seen) == 2

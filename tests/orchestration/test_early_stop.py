@@ -1,14 +1,14 @@
 """The early stop in `check` and `bisect` (parity.run.early): a run judged against numbers
 already known as it writes its steps, and stopped as soon as it diverges.
 
-A history of a one-rank job without torch that writes 20 steps, a step every 0.15 s: its third
-commit nudges train/loss by one ULP from step 4 (where the spec's policy is exact), the second
-and the rest only change comments. A head stopped at step 4 gives the verdict and the first
-divergence of the same head run to its end (`--run-out`); with a base reused from the run store,
-the base run again to confirm a divergence stops at the head's step too; a stored base that
-stopped the head with stale numbers costs runs (the base to its end, the head again), never the
-verdict; bisect's probes stop alike and name the same commit. Wall-time savings are measured in
-benchmarks/ (`--only early`), not here: here the steps each run wrote.
+A history of a plain job (one process: no torchrun, no torch) that writes 20 steps, one every
+0.15 s: its third commit nudges train/loss by one ULP from step 4 (where the spec's policy is
+exact), the second and the fourth only change comments. A head stopped at its divergence gives
+the verdict and the first divergence of the same head run to its end (`--run-out`); with a base
+reused from the run store, the base run again to confirm a divergence stops there too; a stored
+base that stopped the head with stale numbers costs runs (the base to its end, the head again),
+never the verdict; bisect's probes stop alike and name the same commit. The time saved is
+measured in benchmarks/run.py (`--only check`), not here: here the steps each run wrote.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ with open(out / "metrics.jsonl", "w") as f:
 
 SPEC = """\
 task = "custom"
-world_size = 1
+distributed = false
 command = ["job.py", "--out", "{out}"]
 timeout_s = 120
-"""
+"""  # one plain process: no torchrun to start (the launchers' own tests start that)
 
 COMMITS = [("clean", False), ("a comment", False), ("nudge", True), ("b comment", True)]
 

@@ -179,13 +179,16 @@ def test_every_public_name_resolves_and_is_listed():
         " parity.bisect.__module__, callable(parity.bisect)]))\n"
     )
     names, not_in_dir, bisect_module, bisect_callable = json.loads(_python(code))
-    expected = {
-        "run_pair", "run_job", "JobSpec", "PairSpec", "compare_frames", "read_metrics",
-        "check_revisions", "bisect", "assert_parity", "Policy", "InputError", "SpecError",
-        "RunStore",
+    commands = {  # one function per command: pair, compare, report, check, bisect
+        "run_pair", "compare_runs", "build_report", "check_revisions", "check_golden",
+        "bisect", "bisect_revisions",
     }  # fmt: skip
-    assert set(names) == expected and not not_in_dir
+    parts = {"run_job", "JobSpec", "PairSpec", "compare_frames", "read_metrics", "Policy",
+             "RunStore", "assert_parity"}  # fmt: skip
+    errors = {"InputError", "SpecError", "MetricsError", "RevisionError", "LaunchError"}
+    assert set(names) == commands | parts | errors and not not_in_dir
     assert names["JobSpec"] == "type" and names["run_pair"] == "function"
+    assert {names[n] for n in commands} == {"function"} and {names[n] for n in errors} == {"type"}
     assert (bisect_module, bisect_callable) == ("parity.bisect", True)  # the function
 
 
@@ -197,3 +200,21 @@ def test_parity_bisect_is_callable_after_its_module_is_imported():
 
     assert callable(parity.bisect) and module.bisect.__name__ == "bisect"
     assert parity.bisect.BisectResult is module.BisectResult
+
+
+def test_compare_runs_is_parity_compare(tmp_path, capsys):
+    """The API's compare_runs gives what `parity compare` prints, for the same two files."""
+    import parity
+    from parity.cli import main
+
+    for name, loss in (("a", 0.5), ("b", 0.5000000000000001)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            f'{{"step": 1, "train/loss": {loss!r}}}\n{{"event": "end", "steps": 1}}\n'
+        )
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    comparison = parity.compare_runs(a, b)
+    assert main(["compare", str(a), str(b), "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert comparison.verdict == printed["verdict"] == "diverged"
+    assert comparison.to_dict()["metrics"] == printed["metrics"]
+    assert parity.compare_runs(a, b, {"train/loss": "ulp:1"}).verdict == "aligned"

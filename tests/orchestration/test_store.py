@@ -1,13 +1,13 @@
-"""The run store (parity.store) and `parity check`'s base reused from it.
+"""The run store (parity.store), `parity check`'s base and `parity bisect`'s runs reused from it.
 
 The store alone first (no job runs): a run comes back whole or not at all, a changed, partial or
 extra file makes it unused, the key moves with everything that decides a run's numbers, the
 store stays within its size and refuses a folder of the user's, and commands adding and reading
-one key at once leave one whole entry. Then `check` on the five-commit history (a one-rank job
-without torch, about 3 s a launch): a second check of the same base runs only the head; a stored
-run that was edited is not used; a stale one (whole, but with other numbers) costs a run and
-never the verdict; a reused base against a diverging head runs the base again before the
-verdict; `--fresh` runs it anyway; two checks at once share one store.
+one key at once leave one whole entry. Then `check` and `bisect` on the five-commit history (a
+plain job without torch, under a second a launch): a second check of the same base runs only
+the head, a diverging head runs the reused base again before the verdict, `--fresh` runs it
+anyway; a stored run that was edited is not used; a stale one (whole, but with other numbers)
+costs a run and never the verdict, in check and in bisect; two checks at once share one store.
 """
 
 from __future__ import annotations
@@ -168,7 +168,13 @@ def test_commands_adding_and_reading_one_key_at_once_leave_one_whole_run(tmp_pat
 
 @pytest.fixture(scope="module")
 def history(tmp_path_factory) -> Path:
-    return make_repo(tmp_path_factory.mktemp("history"))
+    """The five-commit history, its job run as one plain process (no torchrun to start: the
+    launchers' own tests start that)."""
+    root = make_repo(tmp_path_factory.mktemp("history"))
+    spec = (root / "spec.toml").read_text()
+    (root / "spec.toml").write_text(spec.replace("world_size = 1\n", "distributed = false\n"))
+    assert "distributed = false" in (root / "spec.toml").read_text()
+    return root
 
 
 class Launches:
