@@ -30,8 +30,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # With no test selected by the caller (no path, -k or -m: CI's run), three passes: the fast tests
 # on both cores (pytest-xdist: they are one process each), the multi-rank `parity` ones two at a
 # time (a launch leaves a core idle while it starts, waits on pip, git, Ray or a rendezvous; a
-# file's tests on one worker, tests/conftest.py), then the `serial` ones, which time a job (a
-# stall, a timeout, a signal), with nothing beside them; all run, and any failing fails the run.
+# file's tests on one worker, so that its fixtures are made once), then the `serial` ones, which
+# time a job (a stall, a timeout, a signal), with nothing beside them (tests/conftest.py); all
+# run, and any failing fails the run.
 for arg in "$@"; do
     case "$arg" in
         -k | -m | -k* | -m* | -n | -n* | -p | -p* | [!-]*) exec "$VENV/bin/python" -m pytest "$@" ;;
@@ -39,8 +40,8 @@ for arg in "$@"; do
 done
 fast=0
 shared=0
-"$VENV/bin/python" -m pytest -m "not parity" -n 2 --dist loadgroup "$@" || fast=$?
-"$VENV/bin/python" -m pytest -m "parity and not serial" -n 2 --dist loadgroup "$@" || shared=$?
+"$VENV/bin/python" -m pytest -m "not parity" -n 2 "$@" || fast=$?
+"$VENV/bin/python" -m pytest -m "parity and not serial" -n 2 --dist loadfile "$@" || shared=$?
 "$VENV/bin/python" -m pytest -m "parity and serial" "$@" || exit $?
 [ "$shared" -eq 0 ] || exit "$shared"
 exit "$fast"

@@ -58,7 +58,7 @@ os.environ["PARITY_STORE"] = "off"
 
 
 #: parity tests that time a job (a stall, a timeout, a signal, a kill): CI runs them with nothing
-#: beside them (ci/test.sh: -m serial), the rest two at a time
+#: beside them (ci/test.sh: -m serial), the rest two files at a time
 SERIAL = (
     "tests/run/test_stall.py",
     "tests/run/test_signals.py",
@@ -67,8 +67,6 @@ SERIAL = (
     "tests/project/test_gpu_check.py::test_a_hung_check_is_stopped_and_the_next_runs",
     "tests/subjects/test_subject_verl_rl.py::test_sigterm_mid_run_leaves_no_ray_process",
 )
-#: files whose tests share a session fixture (the catalogue's plain launches): one xdist group
-SHARED_GROUPS = {"tests/run/test_fastpaths.py": "catalogue", "tests/run/test_slurm.py": "catalogue"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -79,16 +77,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each parity test's pytest-xdist group (ci/test.sh: --dist loadgroup): its file's, so
-    that a module's fixtures are made once (files sharing a session fixture: one group); the
-    tests that time a job marked serial."""
+    """The parity tests that time a job marked serial (ci/test.sh runs them last, alone)."""
     for item in items:
-        if item.get_closest_marker("parity") is None or item.get_closest_marker("xdist_group"):
-            continue
-        path = item.nodeid.split("::")[0]
-        if item.nodeid.startswith(SERIAL):
+        if item.get_closest_marker("parity") is not None and item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(path, path)))
 
 
 @pytest.fixture

@@ -239,7 +239,8 @@ def launch_plain(request: LaunchRequest) -> LaunchResult:
         log.write(f"# {reproduce_line(cmd, request.env)}\n")
         log.flush()
         env = _launch_env(world_dir, request.env, plain=True)
-        ended = _supervise(cmd, env, request, stdout=out, stderr=err)
+        ranks = world_dir if (request.expect_world or 0) > 1 else None  # a job's own ranks
+        ended = _supervise(cmd, env, request, stdout=out, stderr=err, world_dir=ranks, plain=True)
         how = " (timed out)" if ended.timed_out else " (stalled)" if ended.stalled else ""
         log.write(f"# exited: {ended.returncode}{how}\n")
     result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, world_dir)
@@ -332,14 +333,16 @@ def _supervise(
     stdout: IO[str],
     stderr: IO[str] | int,
     world_dir: Path | None = None,
+    plain: bool = False,
 ) -> _Ended:
     """Start ``cmd`` in a session of its own and wait for it, watched as ``request`` says (its
     cwd, timeout, on_tick, finished and the graces; see ``launch``); on timeout or
     any exception (Ctrl-C, SIGTERM, SIGHUP: parity.run.signals) kill it and everything that
     carries its launch id, then say how it ended. A job stopped for its timeout, or for
     writing no new step (on_tick raised parity.run.stall.Stalled), is first asked for each
-    rank's stacks (parity.run.stacks): the ranks recorded in ``world_dir``, or the one process
-    of a launch without torchrun (``world_dir`` None)."""
+    rank's stacks (parity.run.stacks): the ranks recorded in ``world_dir``; for a launch
+    without torchrun (``plain``), the ranks it started itself that recorded themselves there
+    (Ray's workers), else its one process."""
     launch_id = env[LAUNCH_ID_ENV]
     timeout_s, on_tick, finished = request.timeout_s, request.on_tick, request.finished
     exit_grace_s, kill_grace_s = request.exit_grace_s, request.kill_grace_s
@@ -369,10 +372,10 @@ def _supervise(
                     deadline = min(deadline, exit_by)
     except subprocess.TimeoutExpired:
         timed_out = True
-        dumped = _dump_stacks(proc, env, world_dir)
+        dumped = _dump_stacks(proc, env, world_dir, plain)
     except Stalled as e:
         stalled = e.line
-        dumped = _dump_stacks(proc, env, world_dir)
+        dumped = _dump_stacks(proc, env, world_dir, plain)
     except Stopped as e:
         stopped = e.line
     finally:
@@ -396,15 +399,15 @@ def _supervise(
 
 
 def _dump_stacks(
-    proc: subprocess.Popen | None, env: Mapping[str, str], world_dir: Path | None
+    proc: subprocess.Popen | None, env: Mapping[str, str], world_dir: Path | None, plain: bool
 ) -> tuple[str, list[Path]]:
     """Each rank's stacks before the job is killed: the summary line and the files (nothing
     when the job already ended, or on any error: the kill must still come)."""
     if proc is None or proc.poll() is not None:
         return "", []
     try:
-        plain = None if world_dir is not None else proc.pid
-        return stacks.collect(Path(env[stacks.STACKS_DIR_ENV]), world_dir, plain)
+        process = proc.pid if plain else None
+        return stacks.collect(Path(env[stacks.STACKS_DIR_ENV]), world_dir, process)
     except Exception:  # noqa: BLE001 - the stacks are a help, never a reason not to kill
         return "", []
 

@@ -153,12 +153,18 @@ def summary(dumps: dict[int, str]) -> str:
 
 
 def _targets(world_dir: Path | None, plain_pid: int | None) -> dict[int, list[int]]:
-    """The processes to ask for a dump, by rank: the plain job, or every rank process on this
-    machine that recorded itself in the launch's world folder (parity.run.world). None in a
-    fast path's launch (--in-process, warm pools), whose ranks fork the job: theirs would say
-    where the warm ranks wait for it, not where the job is."""
-    if plain_pid is not None:
+    """The processes to ask for a dump, by rank: every rank process on this machine that
+    recorded itself in the launch's world folder (parity.run.world: torchrun's, or those a
+    plain job started itself, Ray's workers), else the plain job itself. None in a fast path's
+    launch (--in-process, warm pools), whose ranks fork the job: theirs would say where the warm
+    ranks wait for it, not where the job is."""
+    found = _recorded_ranks(world_dir)
+    if not found and plain_pid is not None:
         return {0: [plain_pid]}
+    return found
+
+
+def _recorded_ranks(world_dir: Path | None) -> dict[int, list[int]]:
     if world_dir is None or any(Path(world_dir).glob("*/*.json")):
         return {}  # the job runs in processes forked from warm ranks (the fast paths): not asked
     found: dict[int, list[int]] = {}

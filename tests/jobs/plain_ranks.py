@@ -7,6 +7,7 @@ writes metrics.jsonl (5 steps, the end record) into ``--out`` once both ranks ex
 launcher that forgot its ranks' variables; the ranks run alone, the metrics are the same.
 ``--replace-pythonpath``: the ranks get ``PYTHONPATH`` set to this folder alone, as a wrapper that
 replaces it instead of adding to it would (the harness's start-up hook is then gone).
+``--hang``: rank 1 sleeps instead of joining the all-reduce, so rank 0 waits in it for good.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from pathlib import Path
 from plain_job import write_metrics  # this folder: the plain job's 5 steps
 
 RANK = """\
-import os, torch, torch.distributed as dist
+import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1)
+if os.environ.get("HANG") and dist.get_rank() == 1:
+    time.sleep(3600)
 dist.all_reduce(t)
 assert t.item() == dist.get_world_size(), t
 dist.destroy_process_group()
@@ -52,6 +55,8 @@ def rank_env(rank: int, args: argparse.Namespace, port: int) -> dict[str, str]:
     env = {**os.environ, **rank_variables(rank, args.broken, port)}
     if args.replace_pythonpath:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
+    if args.hang:
+        env["HANG"] = "1"
     return env
 
 
@@ -60,13 +65,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--broken", action="store_true")
     p.add_argument("--replace-pythonpath", action="store_true")
+    p.add_argument("--hang", action="store_true")
     args = p.parse_args()
     port = free_port()
     ranks = [
         subprocess.Popen([sys.executable, "-c", RANK], env=rank_env(r, args, port))
         for r in range(2)
     ]
-    codes = [proc.wait(timeout=120) for proc in ranks]
+    codes = [proc.wait() for proc in ranks]
     if any(codes):
         sys.exit(f"ranks exited {codes}")
     write_metrics(args.out, 1.0)

@@ -56,10 +56,6 @@ from parity.judge.compare import compare_frames
 from parity.readers import read_metrics, write_metrics
 from parity.readers.contract import frame_problem
 
-#: every test here on one pytest-xdist worker (ci/test.sh: --dist loadgroup): the last one counts
-#: the cases the others judged in this process
-pytestmark = pytest.mark.xdist_group("false-verdicts")
-
 KINDS = ("identical", "ulp64", "ulp32", "missing", "cut", "rounded")
 EXIT = {"aligned": 0, "diverged": 1, "bad input": 2, "imprecise": 5}
 METRICS = ("grad_norm", "loss")
@@ -529,7 +525,9 @@ def _param(fmt: Fmt, kind: str):
 
 @pytest.mark.parametrize(("fmt", "kind"), [_param(f, k) for f in FORMATS for k in f.kinds])
 def test_no_false_verdict(fmt: Fmt, kind: str) -> None:
-    before = len(FALSE)
+    """Every case of ``kind`` judged right, through every input path of ``fmt`` (cases judged:
+    the paths' counts grew; a format whose writer is missing skips, saying so)."""
+    before, judged = len(FALSE), sum(n for (name, _), n in COUNTS.items() if name == fmt.name)
 
     @settings(GENERATED, max_examples=fmt.examples)
     @given(case=cases(kind, fmt.decimals5))
@@ -538,17 +536,14 @@ def test_no_false_verdict(fmt: Fmt, kind: str) -> None:
 
     check()
     assert FALSE[before:] == []
+    assert sum(n for (name, _), n in COUNTS.items() if name == fmt.name) > judged
 
 
 def test_every_format_and_input_path_ran() -> None:
-    """The counts of the cases judged (printed with -s), and that every format had some."""
-    by_format = Counter()
-    for (name, _), n in COUNTS.items():
-        by_format[name] += n
+    """The counts of the cases judged in this process (printed with -s: with pytest-xdist, each
+    worker's share); each format's own test asserts that its cases were judged."""
     print("\ncases judged, per format and input path:")
     for (name, how), n in sorted(COUNTS.items()):
         print(f"  {name:18} {how:13} {n}")
     known = [f for f in FALSE if any(f.startswith(f"{n}, {k},") for n, k in KNOWN)]
     print(f"false verdicts: {len(FALSE) - len(known)} (and {len(known)} known: KNOWN)")
-    if COUNTS:
-        assert {f.name for f in FORMATS if not f.missing()} <= set(by_format)

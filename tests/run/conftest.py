@@ -1,6 +1,11 @@
-"""The launch tests' shared fixture: the catalogue's plain launches, made once per session."""
+"""The launch tests' shared fixture: the catalogue's plain launches, made once per session (once
+per run of pytest-xdist's workers too: the first to need them makes them, the other reads them)."""
 
 from __future__ import annotations
+
+import fcntl
+import os
+import pickle
 
 import pytest
 
@@ -10,5 +15,17 @@ from tests.run.catalogue import CatalogueRuns, run_catalogue
 @pytest.fixture(scope="session")
 def catalogue_runs(tmp_path_factory) -> CatalogueRuns:
     """Every preset with every mutant, then clean, through plain launches, in-process and a pool
-    (tests/run/catalogue.py); the fast-path and Slurm differential tests compare against it."""
-    return run_catalogue(tmp_path_factory.mktemp("catalogue"))
+    (tests/run/catalogue.py); the fast-path and Slurm differential tests compare against it.
+    Under pytest-xdist the workers share one making of it (the folder above their own, a lock
+    while one makes it, the result pickled for the others)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run_catalogue(tmp_path_factory.mktemp("catalogue"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / "catalogue.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        made = shared / "catalogue.pickle"
+        if made.exists():
+            return pickle.loads(made.read_bytes())
+        runs = run_catalogue(shared / "catalogue")
+        made.write_bytes(pickle.dumps(runs))
+        return runs

@@ -99,6 +99,24 @@ def test_a_timeout_also_names_where_each_rank_waits(tmp_path: Path) -> None:
     assert sorted(p.name for p in result.stack_files) == ["rank0.txt", "rank1.txt"]
 
 
+@pytest.mark.parity
+def test_a_plain_job_s_own_ranks_are_named_where_they_wait(tmp_path: Path) -> None:
+    """A plain job that starts its own 2 ranks (as Ray's workers are started: RANK and
+    WORLD_SIZE given before the interpreter starts), one of which never joins the all-reduce:
+    at the timeout, each of those ranks is asked for its stacks, not the plain process."""
+    job = Path(__file__).resolve().parents[1] / "jobs" / "plain_ranks.py"
+    spec = JobSpec(command=[str(job), "--out", "{out}", "--hang"], distributed=False,
+                   world_size=2, timeout_s=25)  # fmt: skip
+    with pytest.raises(LaunchError) as caught:
+        run_job(spec, tmp_path / "run")
+    result = caught.value.result
+    assert survivors(result.launch_id) == [] and procs_mentioning(str(tmp_path / "run")) == []
+    assert result.reason == "timeout" and result.timed_out
+    assert result.stacks.startswith("rank 0 waits in all_reduce at "), result.stacks
+    assert "; rank 1 at <string>:" in result.stacks, result.stacks  # where it sleeps
+    assert sorted(p.name for p in result.stack_files) == ["rank0.txt", "rank1.txt"]
+
+
 def test_a_job_that_ends_normally_leaves_no_stacks_folder(tmp_path: Path) -> None:
     from parity.run.launch import LaunchRequest, launch_plain
 
