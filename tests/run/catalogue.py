@@ -98,6 +98,20 @@ def run_catalogue(folder: Path) -> CatalogueRuns:
     return CatalogueRuns(specs, plain, fast)
 
 
+def read_catalogue(folder: Path) -> CatalogueRuns:
+    """The runs ``run_catalogue`` made in ``folder``, read back from their run folders (what a
+    second pytest-xdist worker takes instead of making them again)."""
+    specs = catalogue()
+    kept = range(len(specs) - 1)  # the last job failed on purpose, through every path
+
+    def frames(name: str) -> list:
+        return [read_metrics(folder / name.format(k=k)) for k in kept]
+
+    fast = {"in-process": [*frames("in-process/side-{k}"), None],
+            "pool": [*frames("pool/job-{k}"), None]}  # fmt: skip
+    return CatalogueRuns(specs, frames("plain-{k}"), fast)
+
+
 def assert_bitwise(path: str, specs: list, frames: list, plain: list) -> None:
     """Each job's metrics through ``path`` equal its plain launch's, but for the timings."""
     for spec, got, want in zip(specs, frames, plain, strict=False):
