@@ -47,7 +47,7 @@ from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
 from parity.run.signals import deferred
 from parity.spec import JobSpec, SpecError, load_spec
-from parity.store import RunKey, RunStore, run_key, tree_of
+from parity.store import RunKey, RunStore, commit_key
 
 __all__ = ["BisectResult", "TestedCommit", "bisect", "bisect_revisions"]
 
@@ -218,8 +218,7 @@ class _Bisection:
     confirmed: str = ""  # how a reused good run was confirmed ('' until it is)
 
     def key(self, commit: str) -> RunKey:
-        inputs = [c.to_dict() for c in self.carry.carried] if self.carry is not None else []
-        return run_key(self.spec, tree_of(self.root, commit), inputs)
+        return commit_key(self.spec, self.root, commit, self.carry)
 
     def obtain(
         self,

@@ -61,7 +61,7 @@ from parity.run.job import (
 )
 from parity.run.launch import LaunchError, LaunchResult
 from parity.spec import READ_OPTIONS, JobSpec, PairSpec
-from parity.store import RunKey, RunStore, StoredRun, run_key, tree_of
+from parity.store import RunKey, RunStore, StoredRun, commit_key
 
 __all__ = [
     "CHECK_ENTRIES",
@@ -319,9 +319,7 @@ class Stored:
         self.fresh_until: int | None = None  # the step the base run again stopped after
         self.keys: dict[str, RunKey] = {}
         if store is not None:
-            inputs = [c.to_dict() for c in carried.carried]
-            self.keys = {side: run_key(spec, tree_of(root, commits[side]), inputs)
-                         for side in SIDES}  # fmt: skip
+            self.keys = {side: commit_key(spec, root, commits[side], carried) for side in SIDES}
 
     def base_side(self, side: SideRun) -> SideRun:
         """The base's side: its run taken from the store where one is stored (and not fresh),

@@ -49,12 +49,15 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parity.errors import InputError
 from parity.files import write_json_atomic
 from parity.git import git
 from parity.spec import JobSpec
+
+if TYPE_CHECKING:
+    from parity.carry import Carry
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -62,6 +65,7 @@ __all__ = [
     "RunStore",
     "StoreError",
     "StoredRun",
+    "commit_key",
     "default_store",
     "run_key",
     "tree_of",
@@ -123,6 +127,13 @@ def default_store() -> Path | None:
 def tree_of(repo: Path, commit: str) -> str:
     """The git tree id of ``commit``: its content, whatever its history or message."""
     return git(repo, "rev-parse", "--end-of-options", f"{commit}^{{tree}}")
+
+
+def commit_key(spec: JobSpec, repo: Path, commit: str, carried: Carry | None = None) -> RunKey:
+    """The key of a run of ``spec`` at ``commit`` of ``repo`` with the inputs ``carried``
+    (parity.carry) copied into its worktree: check's and bisect's runs."""
+    inputs = [c.to_dict() for c in carried.carried] if carried is not None else []
+    return run_key(spec, tree_of(repo, commit), inputs)
 
 
 def run_key(

@@ -158,9 +158,6 @@ class EarlyStop:
         self.step, self.frame, self.comparison = step, frame, comparison
         return True
 
-    def close(self) -> None:
-        self._tmp.cleanup()
-
 
 def rows(frame: pd.DataFrame, keep) -> pd.DataFrame:
     """``frame``'s rows where ``keep`` (a boolean mask of its index), with its attrs (sources,
