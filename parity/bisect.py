@@ -20,7 +20,7 @@ import contextlib
 import re
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,14 +39,15 @@ from parity.git import (
     worktree,
 )
 from parity.judge.compare import Comparison, Policy, compare_frames, json_value
+from parity.judge.policy import Policies, parse_policies
 from parity.outdir import OutDir, write_json_new, write_new
-from parity.readers import DUPLICATE_RULES, FORMATS, MetricsError, read_metrics, skipped_count
+from parity.readers import MetricsError, read_metrics, skipped_count
 from parity.record.runfolder import metrics_path
 from parity.run.early import EarlyStop, judge_stopped
 from parity.run.job import ALLOCATION, holding
 from parity.run.launch import LaunchError
 from parity.run.signals import deferred
-from parity.spec import JobSpec, SpecError, load_spec
+from parity.spec import JobSpec, SpecError, check_read_options, load_spec
 from parity.store import RunKey, RunStore, commit_key
 
 __all__ = ["BisectResult", "TestedCommit", "bisect", "bisect_revisions"]
@@ -151,34 +152,23 @@ class BisectResult:
 
 @dataclass(frozen=True)
 class _Reading:
-    """How the reference and every tested run are read and compared: `parity compare`'s
-    options (format, run, duplicates, allow_skipped), the same for both sides."""
+    """How the reference and every tested run are read and compared: the spec's `[read]`
+    options (spec.check_read_options: format, run, duplicates, allow_skipped,
+    at_source_precision), the same for both sides."""
 
-    fmt: str | None = None
-    run: str | None = None
-    duplicates: str = "error"
-    allow_skipped: bool = False
-
-    def check(self) -> None:
-        """A bad option fails before the first launch, not after the reference run."""
-        if self.fmt is not None and self.fmt not in FORMATS:
-            raise SpecError(f"unknown metrics format {self.fmt!r}; expected one of "
-                            f"{', '.join(FORMATS)}")  # fmt: skip
-        if self.duplicates not in DUPLICATE_RULES:
-            raise SpecError(f"unknown duplicates rule {self.duplicates!r}; expected one of "
-                            f"{', '.join(DUPLICATE_RULES)}")  # fmt: skip
+    options: Mapping[str, Any]
 
     def frame(self, path: Path) -> pd.DataFrame:
-        return read_metrics(path, self.fmt, run=self.run, duplicates=self.duplicates)
+        o = self.options
+        return read_metrics(path, o["format"], run=o["run"], duplicates=o["duplicates"])
 
-    def options(self) -> dict[str, Any]:
-        """These options as the spec's `[read]` names them (parity.check.run_in_tree)."""
-        return {"format": self.fmt, "run": self.run, "duplicates": self.duplicates}
+    def judging(self) -> dict[str, bool]:
+        """compare_frames' keywords: what a comparison accepts of what was read."""
+        keys = ("allow_skipped", "at_source_precision")
+        return {key: self.options[key] for key in keys}
 
-    def compare(self, a: Path, b: Path, policies: dict[str, Policy | str]) -> Comparison:
-        return compare_frames(
-            self.frame(a), self.frame(b), policies, allow_skipped=self.allow_skipped
-        )
+    def compare(self, a: Path, b: Path, policies: Policies) -> Comparison:
+        return compare_frames(self.frame(a), self.frame(b), policies, **self.judging())
 
 
 def _judge(tested: TestedCommit, comparison: Comparison) -> TestedCommit:
@@ -201,7 +191,7 @@ class _Bisection:
     spec: JobSpec
     reference: Path
     out: Path
-    policies: dict[str, Policy | str]
+    policies: Policies
     reading: _Reading
     good: str
     bad: str
@@ -240,7 +230,7 @@ class _Bisection:
                 return got.line()
         if self.carry is not None:
             self.carry.into(tree)  # again where the last commit's run changed the copies
-        read = self.reading.options()
+        read = self.reading.options
         launch = run_in_tree(self.spec, tree, run_dir, label=label, carry=self.carry, read=read,
                              early=early)  # fmt: skip
         if self.store is not None and launch.ok and not skipped_count(self.reading.frame(run_dir)):
@@ -291,11 +281,10 @@ class _Bisection:
     def _early_stop(self, run_dir: Path) -> EarlyStop | None:
         """A probe judged against the reference as it writes its steps and stopped as soon as it
         diverges (parity.run.early), where its runs can be (not with run_out)."""
-        if self.run_out or not stops_early(self.reading.options()):
+        if self.run_out or not stops_early(self.reading.options):
             return None
         reference = self.reading.frame(self.reference)
-        return EarlyStop(reference, metrics_path(run_dir), self.policies,
-                         allow_skipped=self.reading.allow_skipped)  # fmt: skip
+        return EarlyStop(reference, metrics_path(run_dir), self.policies, **self.reading.judging())
 
     def _comparison(self, run_dir: Path, stopped: EarlyStop | None) -> Comparison:
         """A probe's run against the reference: whole, or up to the step it was stopped at."""
@@ -303,7 +292,7 @@ class _Bisection:
             return self.reading.compare(self.reference, run_dir, self.policies)
         reference = self.reading.frame(self.reference)
         return judge_stopped(reference, stopped.frame, stopped.step, self.policies,
-                             allow_skipped=self.reading.allow_skipped)  # fmt: skip
+                             **self.reading.judging())  # fmt: skip
 
     def forget_stopped(self) -> None:
         """Runs stopped against a reference that was replaced: run again when tested again."""
@@ -341,11 +330,8 @@ def bisect(
     out: Path,
     *,
     repo: Path | None = None,
-    policies: dict[str, Policy | str] | None = None,
-    fmt: str | None = None,
-    run: str | None = None,
-    duplicates: str = "error",
-    allow_skipped: bool = False,
+    policies: Mapping[str, Policy | str] | None = None,
+    read: Mapping[str, Any] | None = None,
     carry: Sequence[CarryItem | str] = (),
     store: RunStore | None = None,
     fresh: bool = False,
@@ -365,15 +351,15 @@ def bisect(
 
     Writes the reference run to out/good, each tested commit's run and verdict.json to
     out/commits/<sha>, and out/bisect.json and out/bisect.log; one progress line per tested
-    commit on stderr. fmt, run, duplicates, allow_skipped: how the reference and each tested run
-    are read and compared, as `parity compare` takes them. carry: paths git ignores copied
-    read-only from the checkout into every tested commit's worktree (parity.carry), refused up
-    front where good, bad or a commit between them tracks one. Raises RevisionError (bad repo
-    or revisions), SpecError, CarryError, or LaunchError when the good or the bad revision's run
-    fails.
+    commit on stderr. read: how the reference and each tested run are read and compared
+    (spec.READ_OPTIONS' keys, the spec's `[read]` table: format, run, duplicates,
+    allow_skipped, at_source_precision), checked before the first run. carry: paths git
+    ignores copied read-only from the checkout into every tested commit's worktree
+    (parity.carry), refused up front where good, bad or a commit between them tracks one.
+    Raises RevisionError (bad repo or revisions), SpecError, CarryError, or LaunchError when
+    the good or the bad revision's run fails.
     """
-    reading = _Reading(fmt, run, duplicates, allow_skipped)
-    reading.check()
+    reading = _Reading(check_read_options(read))
     spec = _job_spec(spec)
     root = repo_root(Path(repo or Path.cwd()))
     good_c, bad_c = resolve_revision(root, good), resolve_revision(root, bad)
@@ -391,7 +377,7 @@ def bisect(
         held.make_dir("commits")
         with holding(spec, held) as shared:  # Slurm: every probe on the same nodes
             state = _Bisection(
-                spec, out / "good", out, dict(policies or {}), reading, good_c, bad_c,
+                spec, out / "good", out, parse_policies(policies), reading, good_c, bad_c,
                 _expected_tests(root, good_c, bad_c), carried, store=store, fresh=fresh,
                 root=root, run_out=run_out,
             )  # fmt: skip

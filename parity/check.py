@@ -26,6 +26,7 @@ from parity.git import RevisionError, dirty, origin, repo_root, resolve_revision
 from parity.judge.compare import Comparison, Policy, compare_frames
 from parity.judge.diagnose import Diagnosis
 from parity.judge.golden import fingerprint
+from parity.judge.policy import Policies, parse_policies
 from parity.outdir import OutDir
 from parity.pair import (
     Framing,
@@ -60,7 +61,7 @@ from parity.run.job import (
     stopped_run,
 )
 from parity.run.launch import LaunchError, LaunchResult
-from parity.spec import READ_OPTIONS, JobSpec, PairSpec
+from parity.spec import JobSpec, PairSpec, check_read_options
 from parity.store import RunKey, RunStore, StoredRun, commit_key
 
 __all__ = [
@@ -167,7 +168,7 @@ def _readable(run_dir: Path, read: Mapping[str, Any] | None) -> bool:
     and is then read as named)."""
     if detected(run_dir):
         return True  # a run the named format cannot read: the comparison says why, naming it
-    options = {**READ_OPTIONS, **(read or {})}
+    options = check_read_options(read)
     if options["format"] is None:
         return False
     try:
@@ -191,7 +192,7 @@ def tree_runner(
     """parity.run.job.run_job's call for jobs run in ``tree`` (`run_in_tree`), each read as the
     spec's `[read]` says: a check's side in its revision's worktree, and its op-trace rerun.
     ``carry`` is copied into ``tree`` before each run (again where an earlier run changed it)."""
-    options = {**READ_OPTIONS, **(read or {})}
+    options = check_read_options(read)
 
     def run(
         spec: JobSpec,
@@ -263,7 +264,7 @@ def check_revisions(
     if head is None and dirty(root):
         warning = "uncommitted changes in the working tree are not part of head (HEAD)"
         print(f"parity: warning: {warning}", file=sys.stderr)
-    options = {**READ_OPTIONS, **(read or {})}
+    options, policies = check_read_options(read), parse_policies(policies)
     out = Path(out).resolve()
     with OutDir.open(out) as held:
         held.claim(*CHECK_ENTRIES)
@@ -358,7 +359,7 @@ class Stored:
         self,
         result: PairResult,
         sides: Sequence[SideRun],
-        policies: Mapping[str, Policy | str] | None,
+        policies: Policies,
         compare: Mapping[str, Any],
     ) -> PairResult:
         """The pair again with the base run now into out/base-fresh: the verdict is this one's.
@@ -491,11 +492,11 @@ def _run_names(dirs) -> list[str]:
 
 def _read(read: Mapping[str, Any] | None) -> dict[str, Any]:
     """build_report's keywords for how both sides are read (spec.READ_OPTIONS)."""
-    options = {**READ_OPTIONS, **(read or {})}
-    both = {"run": options["run"], "duplicates": options["duplicates"]}
+    options = check_read_options(read)
     return {
-        "fmt": options["format"], "allow_skipped": options["allow_skipped"],
-        "at_source_precision": options["at_source_precision"], "read_a": both, "read_b": both,
+        "fmt": options["format"], "run_a": options["run"], "run_b": options["run"],
+        "duplicates": options["duplicates"], "allow_skipped": options["allow_skipped"],
+        "at_source_precision": options["at_source_precision"],
     }  # fmt: skip
 
 
@@ -539,7 +540,8 @@ def check_golden(
                 + ", ".join(str(metrics_path(b)) for b in found)
             )
     options = _read(read)
-    frame = read_metrics(golden, options["fmt"], **options["read_a"])
+    frame = read_metrics(golden, options["fmt"], run=options["run_a"],
+                         duplicates=options["duplicates"])  # fmt: skip
     if skipped_count(frame) and not options["allow_skipped"]:  # fails before the run, not after
         raise SkippedRecordsError(
             f"{golden}: {read_summary(frame, 'golden')}; no verdict from a partial read "

@@ -34,6 +34,7 @@ from parity.judge import topology
 from parity.judge.compare import Comparison, Policy, compare_frames, printable
 from parity.judge.diagnose import Diagnosis, diagnose
 from parity.judge.noise import NONDETERMINISTIC, NoiseFloor, floor_from_frames
+from parity.judge.policy import Policies, parse_policies
 from parity.outdir import OutDir, write_json_new, write_new
 from parity.record.runfolder import metrics_path
 from parity.run import job
@@ -227,7 +228,7 @@ def side_label(side: str, spec: JobSpec) -> str:
     return f"side {side} ({spec.variant})" if spec.variant else f"side {side}"
 
 
-def floor_of(a: Run, repeat: Run, policies: Mapping[str, Policy | str] | None = None) -> NoiseFloor:
+def floor_of(a: Run, repeat: Run, policies: Policies | None = None) -> NoiseFloor:
     """The noise floor of two runs of one spec (A and its repeat A'), naming both."""
     floor = floor_from_frames(a.metrics, repeat.metrics, policies)
     floor.a_dir, floor.repeat_dir, floor.runs = a.dir, repeat.dir, (a, repeat)
@@ -237,7 +238,7 @@ def floor_of(a: Run, repeat: Run, policies: Mapping[str, Policy | str] | None = 
 def measure_floor(
     spec: JobSpec,
     out: Path,
-    policies: Mapping[str, Policy | str] | None = None,
+    policies: Policies | None = None,
     *,
     a: Any = None,
 ) -> tuple[Any, Any, NoiseFloor]:
@@ -256,7 +257,7 @@ def compare_pair(
     a: Run,
     b: Run,
     out: Path,
-    policies: Mapping[str, Policy | str] | None = None,
+    policies: Policies | None = None,
     *,
     allow_teardown_failure: bool = False,
     floor: NoiseFloor | None = None,
@@ -312,7 +313,7 @@ def run_pair(
     divergent step with every op of it traced (``result.trace_rerun``); the diagnosis then
     names the first differing op. report: write report.md / report.html (``result.report``).
     """
-    out = Path(out).resolve()
+    out, policies = Path(out).resolve(), parse_policies(policies)
     spec_a, _ = pair.sides()
     if in_process and spec_a.launcher.kind != "local":
         raise SpecError("in-process runs both sides in one launch on this machine; not with "
@@ -349,7 +350,7 @@ PAIR_ENTRIES = (*pair_entries("a", "b", "a-repeat"), "in-process")
 def run_sides(
     pair: PairSpec,
     out: Path,
-    policies: Mapping[str, Policy | str] | None = None,
+    policies: Policies | None = None,
     in_process: bool = False,
     *,
     allow_teardown_failure: bool = False,

@@ -25,6 +25,7 @@ import pandas as pd
 import pytest
 
 from parity.judge.compare import Comparison, Policy, compare_frames
+from parity.judge.policy import parse_policies
 from parity.spec import JobSpec, PairSpec
 
 
@@ -218,7 +219,7 @@ class ParityRunner:
         from parity.pair import compare_pair, nondeterministic_pair
 
         spec_a, spec_b = pair.sides()
-        floor = None
+        floor, policies = None, parse_policies(policies)
         if noise_floor:
             floor = self.floor(spec_a, policies)
             if not floor.deterministic:
@@ -248,7 +249,8 @@ class ParityRunner:
 
         a = self.job(spec, separate=True)
         name = f"{spec.task}-{spec.variant}-w{spec.world_size}"
-        return floor_of(a, run_job(spec, self._folder(name, "repeat")), policies)
+        repeat = run_job(spec, self._folder(name, "repeat"))
+        return floor_of(a, repeat, parse_policies(policies))
 
     def pair_in_process(self, pair: PairSpec, policies: Mapping[str, Policy | str] | None = None):
         """Both sides in one launch, always (cached as such): for tests of the mode itself."""
@@ -261,7 +263,7 @@ class ParityRunner:
             name = f"{spec_a.task}-{spec_a.variant}-vs-{spec_b.variant}-w{spec_a.world_size}"
             self._in_process[key] = run_pair_in_process(pair, self._folder(name, "in-process"))
         a, b = self._in_process[key]
-        return compare_pair(a, b, a.dir.parent, policies)
+        return compare_pair(a, b, a.dir.parent, parse_policies(policies))
 
 
 def _letters(n: int) -> str:

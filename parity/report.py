@@ -614,18 +614,19 @@ def build_report(
     labels: Sequence[str] = ("A", "B"),
     notes: Sequence[str] = (),
     fmt: str | None = None,
+    run_a: str | None = None,
+    run_b: str | None = None,
+    duplicates: str = "error",
     allow_missing: bool = False,
     allow_incomplete: bool = False,
     allow_skipped: bool = False,
     at_source_precision: bool = False,
-    read_a: Mapping[str, Any] | None = None,
-    read_b: Mapping[str, Any] | None = None,
 ) -> Report:
-    """Read both sides and compare them (raises MetricsError / IncompleteRunError like compare).
-
-    read_a, read_b: read_metrics' keywords for each side (run, duplicates)."""
-    side_a = load_side(a, labels[0], fmt, **(read_a or {}))
-    side_b = load_side(b, labels[1], fmt, **(read_b or {}))
+    """What `parity report` does: both sides read and compared as `compare_runs` takes them
+    (raises MetricsError / IncompleteRunError like it), and diagnosed; labels and notes are the
+    report's."""
+    side_a = load_side(a, labels[0], fmt, run=run_a, duplicates=duplicates)
+    side_b = load_side(b, labels[1], fmt, run=run_b, duplicates=duplicates)
     comparison = compare_frames(
         side_a.frame,
         side_b.frame,

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import tomllib
@@ -29,6 +29,9 @@ from parity.errors import SpecError
 from parity.secrets import masked_env  # re-exported: the spec's own name for it
 from parity.tasks import CUSTOM
 
+if TYPE_CHECKING:
+    from parity.judge.policy import Policy
+
 TABLES = ("a", "b", "policies", "read", "check")  # a spec file's tables beside the job's keys
 LAUNCHER_KINDS = ("local", "slurm")
 #: how check and bisect read each side's run folder: read_metrics' and compare's options
@@ -42,7 +45,7 @@ Scalar = str | int | float | bool
 __all__ = [
     "JobSpec", "LauncherSpec", "PairSpec", "SpecError", "format_scalar", "load_policies",
     "load_read_options", "load_spec", "masked_env", "require_choice", "require_flags",
-    "require_int", "load_check_options",
+    "require_int", "load_check_options", "check_read_options",
 ]  # fmt: skip
 
 
@@ -468,41 +471,50 @@ def _read_spec(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_policies(path: str | Path) -> dict[str, str]:
+def load_policies(path: str | Path) -> dict[str, Policy]:
     """The spec's ``[policies]`` table, METRIC (or glob) = POLICY text, each checked by parsing.
 
     Policies live with the job so that ``check``/``bisect``/``pair --spec`` judge the same way
     every time; ``--policy`` flags on the command line override them per metric.
     """
-    from parity.judge.compare import Policy
+    from parity.judge.policy import Policy
 
     table = _read_spec(Path(path)).get("policies", {})
     if not isinstance(table, dict):
         raise SpecError(f"{path}: [policies] must be a table, got {type(table).__name__}")
+    parsed = {}
     for metric, text in table.items():
         if not isinstance(text, str):
             raise SpecError(f"{path}: policies.{metric!r} must be a string, got {text!r}")
         try:
-            Policy.parse(text)
+            parsed[metric] = Policy.parse(text)
         except ValueError as e:
             raise SpecError(f"{path}: policies.{metric!r}: {e}") from None
-    return dict(table)
+    return parsed
 
 
 def load_read_options(path: str | Path | None) -> dict[str, Any]:
-    """The spec's ``[read]`` table (format, run, duplicates, allow_skipped) over the defaults
-    of READ_OPTIONS; each checked here, so that a bad one fails before any run."""
-    from parity.readers import DUPLICATE_RULES, FORMATS
-
-    options = dict(READ_OPTIONS)
+    """The spec's ``[read]`` table (format, run, duplicates, allow_skipped, at_source_precision)
+    over the defaults of READ_OPTIONS; each checked here, so that a bad one fails before any
+    run."""
     if path is None:
-        return options
+        return dict(READ_OPTIONS)
     table = _read_spec(Path(path)).get("read", {})
     if not isinstance(table, dict):
         raise SpecError(f"{path}: [read] must be a table, got {type(table).__name__}")
-    for key, value in table.items():
+    return check_read_options(table, str(path))
+
+
+def check_read_options(given: Mapping[str, Any] | None, source: str = "read") -> dict[str, Any]:
+    """``given`` over READ_OPTIONS' defaults, every key and value checked (SpecError naming
+    ``source``): the one set of reading options of compare, report, check, bisect and a spec's
+    ``[read]`` table."""
+    from parity.readers import DUPLICATE_RULES, FORMATS
+
+    options = dict(READ_OPTIONS)
+    for key, value in (given or {}).items():
         if key not in READ_OPTIONS:
-            raise SpecError(f"{path}: unknown key {str(key)[:80]!r} in [read]; valid keys: "
+            raise SpecError(f"{source}: unknown key {str(key)[:80]!r} in [read]; valid keys: "
                             f"{', '.join(READ_OPTIONS)}")  # fmt: skip
         options[key] = value
     checks = {
@@ -514,7 +526,7 @@ def load_read_options(path: str | Path | None) -> dict[str, Any]:
     }
     for key, ok in checks.items():
         if not ok:
-            raise SpecError(f"{path}: read.{key} = {options[key]!r} is not valid")
+            raise SpecError(f"{source}: read.{key} = {options[key]!r} is not valid")
     return options
 
 

@@ -22,6 +22,7 @@ from parity.judge.policy import (
     Policy,
     StepRange,
     default_policy,
+    parse_policies,
     piece_index,
     resolve_all,
     resolve_policy,
@@ -743,10 +744,7 @@ def compare_frames(
             )
         if not frame.index.is_unique or not frame.columns.is_unique:
             raise MetricsError(f"frame {side}: steps and metric names must be unique")
-    policies = policies or {}
-    for p in policies.values():  # bad policy text fails early, even if it matches nothing
-        if not isinstance(p, Policy):
-            Policy.parse(p)
+    policies = parse_policies(policies)  # a bad text fails here, even if it matches nothing
     steps_index = a.index.union(b.index).sort_values()
     steps = np.asarray(steps_index, dtype=np.int64)
     ka, kb = a.columns.tolist(), b.columns.tolist()

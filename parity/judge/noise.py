@@ -23,15 +23,14 @@ from parity.judge.compare import (
     printable,
     resolve_policy,
 )
+from parity.judge.policy import Policies, parse_policies
 
 __all__ = ["NONDETERMINISTIC", "NoiseFloor", "floor_from_frames", "floor_policies"]
 
 NONDETERMINISTIC = "nondeterministic"
 
 
-def floor_policies(
-    metrics: Iterable[str], policies: Mapping[str, Policy | str] | None = None
-) -> dict[str, Policy]:
+def floor_policies(metrics: Iterable[str], policies: Policies | None = None) -> dict[str, Policy]:
     """Exact for every metric the pair judges; metrics the pair ignores are ignored here too.
 
     Why exact and not the pair's policy: the floor asks whether the environment reproduces at
@@ -122,7 +121,8 @@ def floor_from_frames(
     policies: Mapping[str, Policy | str] | None = None,
     **compare_kwargs: Any,
 ) -> NoiseFloor:
-    """The floor of two already-read runs of the same side."""
+    """The floor of two already-read runs of the same side (policies: the pair's)."""
     names = set(map(str, a.columns)) | set(map(str, repeat.columns))
-    comparison = compare_frames(a, repeat, floor_policies(names, policies), **compare_kwargs)
+    floor = floor_policies(names, parse_policies(policies))
+    comparison = compare_frames(a, repeat, floor, **compare_kwargs)
     return NoiseFloor(comparison)

@@ -351,7 +351,33 @@ def noise_mask(names: list[str]) -> np.ndarray:
     return out
 
 
-def resolve_policy(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
+#: metric name or fnmatch glob -> its policy, as every judge below the API's entry points takes it
+Policies = Mapping[str, Policy]
+
+
+def parse_policies(
+    policies: Mapping[str, Policy | str] | None, source: str = "policies"
+) -> dict[str, Policy]:
+    """The one place policy texts become Policy objects: ``policies`` (metric or glob -> a Policy
+    or its text) in the same order, every text parsed; a bad one raises PolicyError naming
+    ``source`` and the metric. The entry points a caller uses (the CLI, the package's functions,
+    the pytest plugin, compare_frames) call it once; below them policies travel parsed."""
+    out: dict[str, Policy] = {}
+    for metric, policy in (policies or {}).items():
+        if isinstance(policy, Policy):
+            out[metric] = policy
+            continue
+        if not isinstance(policy, str):
+            raise PolicyError(f"{source}: {metric!r}: a policy is text or a Policy, got "
+                              f"{type(policy).__name__}")  # fmt: skip
+        try:
+            out[metric] = Policy.parse(policy)
+        except PolicyError as e:
+            raise PolicyError(f"{source}: {metric!r}: {e}") from None
+    return out
+
+
+def resolve_policy(metric: str, policies: Policies) -> Policy:
     """Exact name first, then the first matching glob in mapping order, then the default."""
     chosen = policies.get(metric)
     if chosen is None:
@@ -359,19 +385,15 @@ def resolve_policy(metric: str, policies: Mapping[str, Policy | str]) -> Policy:
             (p for pat, p in policies.items() if fnmatch.fnmatchcase(metric, pat)),
             None,
         )
-    if chosen is None:
-        return default_policy(metric)
-    return chosen if isinstance(chosen, Policy) else Policy.parse(chosen)
+    return default_policy(metric) if chosen is None else chosen
 
 
 _GLOB = re.compile(r"[*?\[]")
 
 
-def resolve_all(
-    names: list[str], policies: Mapping[str, Policy | str]
-) -> tuple[np.ndarray, list[Policy]]:
-    """resolve_policy of every name, as an index per name into a list of the distinct policies: a
-    policy text is parsed once, and a glob is matched only against names no earlier rule took."""
+def resolve_all(names: list[str], policies: Policies) -> tuple[np.ndarray, list[Policy]]:
+    """resolve_policy of every name, as an index per name into a list of the distinct policies;
+    a glob is matched only against names no earlier rule took."""
     distinct: list[Policy] = [_EXACT, _IGNORE]
     which = np.zeros(len(names), dtype=np.int64)
     taken = np.zeros(len(names), dtype=bool)
@@ -379,7 +401,7 @@ def resolve_all(
         parsed = {}
         for pat, p in policies.items():
             parsed[pat] = len(distinct)
-            distinct.append(p if isinstance(p, Policy) else Policy.parse(p))
+            distinct.append(p)
         at = {name: j for j, name in enumerate(names)}
         for pat, k in parsed.items():
             j = at.get(pat)

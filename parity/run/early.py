@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parity.judge.compare import Comparison, Policy, compare_frames
+from parity.judge.compare import Comparison, compare_frames
+from parity.judge.policy import Policies
 from parity.readers import MetricsError, read_metrics
 from parity.record.runfolder import metrics_path
 from parity.run.results import Stopped
@@ -50,7 +50,7 @@ class EarlyStop:
         self,
         reference: pd.DataFrame,
         metrics_file: Path,
-        policies: Mapping[str, Policy | str] | None = None,
+        policies: Policies | None = None,
         *,
         at_source_precision: bool = False,
         allow_skipped: bool = False,
@@ -179,7 +179,7 @@ def prefix_comparison(
     a: pd.DataFrame,
     b: pd.DataFrame,
     step: int,
-    policies: Mapping[str, Policy | str] | None = None,
+    policies: Policies | None = None,
     **options: Any,
 ) -> Comparison:
     """Both sides up to ``step`` compared: a pair whose side B was stopped there."""
@@ -193,7 +193,7 @@ def judge_stopped(
     a: pd.DataFrame,
     b: pd.DataFrame,
     step: int,
-    policies: Mapping[str, Policy | str] | None = None,
+    policies: Policies | None = None,
     **options: Any,
 ) -> Comparison:
     """A pair whose side B was stopped after ``step`` as it diverged from A: what stopped it,

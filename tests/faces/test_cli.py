@@ -206,34 +206,93 @@ def test_spec_command_prints_each_side_s_launch_line_and_runs_nothing(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.toml"]
 
 
-@pytest.mark.parametrize("command", ["check", "bisect"])
-def test_check_and_bisect_take_the_job_flags_pair_takes(tmp_path, capsys, monkeypatch, command):
-    """The same job flags on every command that runs jobs, named as the spec keys (the shorter
-    spellings kept): the job check and bisect would run, and a pair spec refused there."""
+@pytest.fixture
+def stopped(monkeypatch) -> list:
+    """check_revisions and bisect stopped before any run: (job, keywords) of each call."""
     import parity.bisect
     import parity.check
 
-    seen = []
+    calls = []
 
     def stop(spec, *args, **kwargs):
-        seen.append(spec)
+        calls.append((spec, kwargs))
         raise parity.check.RevisionError("stopped before any run")
 
     monkeypatch.setattr(parity.check, "check_revisions", stop)
     monkeypatch.setattr(parity.bisect, "bisect", stop)
+    return calls
+
+
+@pytest.mark.parametrize("command", ["check", "bisect"])
+def test_check_and_bisect_take_the_job_flags_pair_takes(tmp_path, capsys, stopped, command):
+    """The same job flags on every command that runs jobs, named as the spec keys (the shorter
+    spellings kept): the job check and bisect would run, and a pair spec refused there."""
     revs = ["--base", "v1"] if command == "check" else ["--good", "v1", "--bad", "v2"]
     args = [command, *revs, "--task", "charcount-sft", "--set", "micro_batch_size=2"]
     args += ["--world-size", "1", "--steps", "3", "--seed", "7", "--timeout-s", "90"]
     assert main([*args, "--out", str(tmp_path / "out")]) == 2
     assert "stopped before any run" in capsys.readouterr().err
-    (job,) = seen
+    (job,) = [job for job, _ in stopped]
     assert (job.task, job.world_size, job.steps, job.seed, job.timeout_s) == (
         "charcount-sft", 1, 3, 7, 90.0
     )  # fmt: skip
     assert job.micro_batch_size == 2
     assert main([*args[:-8], "--world", "2", "--timeout", "60"]) == 2  # the old spellings
-    assert (seen[-1].world_size, seen[-1].timeout_s) == (2, 60.0)
+    assert (stopped[-1][0].world_size, stopped[-1][0].timeout_s) == (2, 60.0)
     pair = tmp_path / "pair.toml"
     pair.write_text('task = "charcount-sft"\n[a]\ntrainer = "legacy"\n[b]\ntrainer = "worker"\n')
     assert main([command, *revs, "--spec", str(pair), "--out", str(tmp_path / "o")]) == 2
-    assert "not an [a]/[b] pair" in capsys.readouterr().err and len(seen) == 2
+    assert "not an [a]/[b] pair" in capsys.readouterr().err and len(stopped) == 2
+
+
+READING = {"--format", "--run", "--duplicates", "--allow-skipped", "--at-source-precision"}
+
+
+def test_every_command_that_reads_takes_the_same_reading_flags_and_defaults():
+    """compare, report, check and bisect read with one set of flags (parity.cli.common), each
+    unset by default so that a spec's [read] table, else spec.READ_OPTIONS, decides; the two
+    that read files given to them add a run per side and what they may accept of a file."""
+    from parity.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if hasattr(a, "choices") and a.choices]
+    for name in ("compare", "report", "check", "bisect"):
+        actions = {f: a for a in sub.choices[name]._actions for f in a.option_strings}
+        assert READING <= set(actions), name
+        assert all(actions[f].default is None for f in READING), name
+        files = {"--run-a", "--run-b", "--allow-missing", "--allow-incomplete"} <= set(actions)
+        assert files == (name in ("compare", "report")), name
+
+
+@pytest.mark.parametrize("command", ["check", "bisect"])
+def test_check_and_bisect_read_and_judge_as_the_spec_and_flags_say(tmp_path, stopped, command):
+    """The spec's [read] and [policies] reach the library under the flags given, read as one
+    set of options, and every policy parsed (the library gets Policy objects, never text)."""
+    from parity.judge.policy import Policy
+
+    spec = tmp_path / "job.toml"
+    spec.write_text('task = "custom"\ncommand = ["x.py"]\n[read]\nduplicates = "last"\n'
+                    '[policies]\n"train/*" = "ulp:2"\nloss = "exact"\n')  # fmt: skip
+    revs = ["--base", "v1"] if command == "check" else ["--good", "v1", "--bad", "v2"]
+    flags = ["--policy", "loss=ulp:1", "--at-source-precision", "--run", "r1"]
+    assert main([command, *revs, "--spec", str(spec), *flags, "--out", str(tmp_path / "o")]) == 2
+    ((_, given),) = stopped
+    assert given["read"] == {"format": None, "run": "r1", "duplicates": "last",
+                             "allow_skipped": False, "at_source_precision": True}  # fmt: skip
+    assert given["policies"] == {"loss": Policy.parse("ulp:1"), "train/*": Policy.parse("ulp:2")}
+
+
+def test_a_policy_text_is_parsed_once_at_the_edge(tmp_path, capsys, monkeypatch):
+    """`parity compare` with a --policy parses its text once; what judges below gets the Policy."""
+    from parity.judge.policy import Policy
+
+    a = _write(tmp_path / "a.jsonl", _rows())
+    texts = []
+    parse = Policy.parse.__func__
+
+    def counted(cls, text):
+        texts.append(text)
+        return parse(cls, text)
+
+    monkeypatch.setattr(Policy, "parse", classmethod(counted))
+    assert main(["compare", str(a), str(a), "--policy", "train/*=ulp:3"]) == 0
+    assert texts == ["ulp:3"]

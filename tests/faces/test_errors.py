@@ -94,7 +94,7 @@ def test_a_huge_ulp_on_the_command_line_is_bad_input(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n{"event": "end", "steps": 1}\n')
     assert main(["compare", str(run), str(run), "--policy", f"x=ulp:{2**64}"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("parity: error: bad policy"), err
+    assert len(err) == 1 and err[0].startswith("parity: error: --policy: 'x': bad policy"), err
 
 
 # --- other bad input -----------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_an_internal_value_error_is_exit_70_not_bad_input(tmp_path, capsys, monk
     def broken(args):
         raise ValueError("boom")
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", broken)
+    monkeypatch.setattr(parity.cli.compare, "run", broken)
     run = _good_run(tmp_path)
     assert main(["compare", run, run]) == EXIT_INTERNAL == 70
     err = capsys.readouterr().err
@@ -189,7 +189,7 @@ def test_an_input_error_is_exit_2(error, tmp_path, capsys, monkeypatch):
     def refused(args):
         raise error
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", refused)
+    monkeypatch.setattr(parity.cli.compare, "run", refused)
     run = _good_run(tmp_path)
     assert main(["compare", run, run]) == 2
     assert capsys.readouterr().err == f"parity: error: {error}\n"

@@ -349,7 +349,7 @@ def test_an_unexpected_exception_is_an_internal_error_never_1(error, tmp_path, c
     def broken(args):
         raise error
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", broken)
+    monkeypatch.setattr(parity.cli.compare, "run", broken)
     good = _good_run(tmp_path / "good")
     assert main(["compare", str(good), str(good)]) == EXIT_INTERNAL == 70
     err = capsys.readouterr().err
@@ -383,7 +383,7 @@ def test_an_os_error_about_a_path_is_bad_input_naming_it(
     def raises(args):
         raise error
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", raises)
+    monkeypatch.setattr(parity.cli.compare, "run", raises)
     good = _good_run(tmp_path / "good")
     code, err = _run(["compare", good, good], capsys)
     _assert_bad_input(code, err)
@@ -394,7 +394,7 @@ def test_an_os_error_about_no_path_is_internal(tmp_path, capsys, monkeypatch):
     def raises(args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", raises)
+    monkeypatch.setattr(parity.cli.compare, "run", raises)
     good = _good_run(tmp_path / "good")
     assert main(["compare", str(good), str(good)]) == EXIT_INTERNAL
     err = capsys.readouterr().err
@@ -405,7 +405,7 @@ def test_a_long_error_is_clipped_to_one_line(tmp_path, capsys, monkeypatch):
     def long_error(args):
         raise InputError("first line\n" + "y" * 5000)
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", long_error)
+    monkeypatch.setattr(parity.cli.compare, "run", long_error)
     good = _good_run(tmp_path / "good")
     code, err = _run(["compare", good, good], capsys)
     _assert_bad_input(code, err)
@@ -418,7 +418,7 @@ def test_a_closed_pipe_is_still_141(tmp_path, capsys, monkeypatch):
     def closed(args):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
-    monkeypatch.setattr(parity.cli, "cmd_compare", closed)
+    monkeypatch.setattr(parity.cli.compare, "run", closed)
     monkeypatch.setattr(parity.run.signals, "quiet_closed_pipe", lambda: 141)  # pytest's stdout
     good = _good_run(tmp_path / "good")
     assert main(["compare", str(good), str(good)]) == 141

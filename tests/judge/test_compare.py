@@ -368,7 +368,7 @@ def test_step_policies_on_the_command_line_and_in_a_spec(tmp_path, capsys):
     spec.write_text(
         'task = "custom"\ncommand = ["x.py"]\n[policies]\n"train/*" = "exact@-5,ulp:4@6-"\n'
     )
-    assert load_policies(spec) == {"train/*": "exact@-5,ulp:4@6-"}
+    assert load_policies(spec) == {"train/*": Policy.parse("exact@-5,ulp:4@6-")}
     assert load_spec(spec).command == ["x.py"]  # the policies table is not a job key
     spec.write_text('task = "custom"\ncommand = ["x.py"]\n[policies]\n"train/loss" = "ulp:x"\n')
     with pytest.raises(SpecError, match=r"job\.toml: policies\.'train/loss': bad policy 'ulp:x'"):
@@ -590,6 +590,7 @@ def reference(a, b, policies=None, allow_missing=False):
     """The metric-by-metric comparison compare_frames made before it worked on whole arrays:
     each column read through pandas, each metric judged by _compare_metric."""
     from parity.judge.compare import _compare_metric, needs_full_value, resolve_policy
+    from parity.judge.policy import parse_policies
     from parity.readers import present_mask
     from parity.readers.frame import FLOAT64, coarser
 
@@ -612,7 +613,7 @@ def reference(a, b, policies=None, allow_missing=False):
             (a.attrs.get("precision") or {}).get(name, FLOAT64),
             (b.attrs.get("precision") or {}).get(name, FLOAT64),
         )
-        policy = resolve_policy(name, policies or {})
+        policy = resolve_policy(name, parse_policies(policies))
         imprecise = "decimals:" in precision and needs_full_value(policy)
         args = (*cols["a"], *cols["b"], allow_missing, precision, imprecise)
         out[name] = _compare_metric(name, policy, steps, *args)

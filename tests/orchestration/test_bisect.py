@@ -133,14 +133,15 @@ def test_bisection_runs_each_commit_here_and_answers_git(repo, tmp_path, monkeyp
     monkeypatch.setattr(parity.bisect, "compare_frames", compare)
     monkeypatch.setattr(parity.git, "git", git_call)
     policies = {"train/loss": "ulp:1@-3,exact@4-"}
+    read_as = {"format": "jsonl", "duplicates": "last", "allow_skipped": True}
     result = bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, policies=policies,
-                    fmt="jsonl", duplicates="last", allow_skipped=True)  # fmt: skip
+                    read=read_as)  # fmt: skip
     assert result.outcome == "found" and result.first_bad.commit == commit_of(repo, 3)
     assert result.verdict == "diverged"  # the table's word for exit 1
     assert [t.commit for t in result.tested] == [commit_of(repo, n) for n in (5, 3, 2)]
     assert len(trees) == 4  # the reference, then each tested commit: all in this process
     assert all(r == ("jsonl", {"run": None, "duplicates": "last"}) for r in reads) and reads
-    assert compares == [{"allow_skipped": True}] * 3
+    assert compares == [{"allow_skipped": True, "at_source_precision": False}] * 3
     assert gits and not [a for a in gits if "bisect" in a and "run" in a]
     lines = progress_lines(capsys.readouterr().err)
     assert [(m[1], m[3], m[5]) for m in lines] == [
@@ -177,10 +178,13 @@ def test_failed_runs_are_skipped_and_can_leave_it_ambiguous(repo, tmp_path, monk
 
 def test_reading_options_are_checked_before_any_run(repo, tmp_path, monkeypatch):
     trees = fake_runs(monkeypatch)
-    with pytest.raises(ValueError, match="duplicates rule 'latest'"):
-        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, duplicates="latest")
-    with pytest.raises(ValueError, match="metrics format 'yaml'"):
-        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, fmt="yaml")
+    with pytest.raises(ValueError, match="read.duplicates = 'latest' is not valid"):
+        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo,
+               read={"duplicates": "latest"})  # fmt: skip
+    with pytest.raises(ValueError, match="read.format = 'yaml' is not valid"):
+        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, read={"format": "yaml"})
+    with pytest.raises(ValueError, match="unknown key 'fmt' in \\[read\\]"):
+        bisect(repo / "spec.toml", "HEAD~4", "main", tmp_path, repo=repo, read={"fmt": "jsonl"})
     assert trees == []
 
 
