@@ -27,6 +27,11 @@ runs any pip command under the same rule.
 environment's: a user's environment with, say, a multi-GB torch in it, made in a second and
 without disk, for a test to install into. The cached environment stays as it was: pip removes
 or replaces an installed file (a new inode in the clone), never writes into one.
+
+A spec with a ``base`` is built that way: its base environment (built first where missing) is
+cloned, and only the spec's own packages are installed into the clone, so the environments
+that share torch and a stack's common packages (verl's three, TRL's, an HF one) unpack and
+resolve those once per machine.
 """
 
 from __future__ import annotations
@@ -73,13 +78,19 @@ class EnvSpec:
     requirements: installed together with their dependencies, under ``constraints``.
     no_deps: installed afterwards with ``--no-deps`` (a package whose declared dependencies pull
         far more than the code path in use imports; list what it needs in ``requirements``).
-    constraints: pins no dependency may move (``torch==2.13.0``).
+    constraints: pins no dependency may move (``torch==2.13.0``), with every base's.
+    base: an environment this one starts from (a hard-linked clone), its pins held as well.
     """
 
     name: str
     requirements: tuple[str, ...] = ()
     no_deps: tuple[str, ...] = ()
     constraints: tuple[str, ...] = (TORCH,)
+    base: EnvSpec | None = None  # cloned, then this spec's packages installed into the clone
+
+    def chain(self) -> list[EnvSpec]:
+        """This spec and its bases, itself first."""
+        return [self, *(self.base.chain() if self.base is not None else [])]
 
     def key(self) -> str:
         payload = {
@@ -92,6 +103,10 @@ class EnvSpec:
 
     def folder_name(self) -> str:
         return f"{self.name}-{self.key()}"
+
+
+#: the environment every torch-2.13.0 subject's starts from (``EnvSpec.base``): torch unpacked once
+TORCH_BASE = EnvSpec("torch-2.13.0", requirements=(TORCH,))
 
 
 def root() -> Path:
@@ -109,12 +124,15 @@ def find(spec: EnvSpec, where: Path | None = None) -> Path | None:
 
 
 def ensure(spec: EnvSpec, where: Path | None = None, *, timeout_s: float = 3600) -> Path:
-    """The python of the spec's environment, built first if this machine has none."""
+    """The python of the spec's environment, built first if this machine has none (its base
+    first, where it has one)."""
     base = where or root()
     base.mkdir(parents=True, exist_ok=True)
     target = base / spec.folder_name()
     if python_of(target).exists():
         return python_of(target)
+    if spec.base is not None:
+        ensure(spec.base, base, timeout_s=timeout_s)  # outside this spec's lock: its own
     with (base / f".{spec.folder_name()}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if python_of(target).exists():  # another process built it meanwhile
@@ -125,7 +143,7 @@ def ensure(spec: EnvSpec, where: Path | None = None, *, timeout_s: float = 3600)
         tmp = Path(tempfile.mkdtemp(prefix=f".{spec.folder_name()}.", dir=base))
         tmp.chmod(0o755)  # mkdtemp makes it private; the built env is an ordinary folder
         try:
-            _build(spec, tmp, timeout_s)
+            _build(spec, tmp, timeout_s, base)
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -163,20 +181,25 @@ def pip(py: Path, args: list[str], log: Path, timeout_s: float) -> None:
     raise EnvBuildError(f"pip {' '.join(args[:1])} failed (exit {proc.returncode}):\n{tail}")
 
 
-def _build(spec: EnvSpec, env: Path, timeout_s: float) -> None:
+def _build(spec: EnvSpec, env: Path, timeout_s: float, where: Path) -> None:
     started = time.monotonic()
-    base_python = getattr(sys, "_base_executable", None) or sys.executable
-    subprocess.run([base_python, "-m", "venv", str(env)], check=True, timeout=600)
+    if spec.base is not None:
+        clone(python_of(where / spec.base.folder_name()), env)
+    else:
+        base_python = getattr(sys, "_base_executable", None) or sys.executable
+        subprocess.run([base_python, "-m", "venv", str(env)], check=True, timeout=600)
     py = python_of(env)
     log = env / "build.log"
     constraints = env / "constraints.txt"
-    constraints.write_text("".join(f"{c}\n" for c in spec.constraints))
+    pins = dict.fromkeys(c for layer in spec.chain() for c in layer.constraints)
+    constraints.write_text("".join(f"{c}\n" for c in pins))
+    install = ["install", "-c", str(constraints)]
     if spec.requirements:
         requirements = env / "requirements.txt"
         requirements.write_text("".join(f"{r}\n" for r in spec.requirements))
-        pip(py, ["install", "-c", str(constraints), "-r", str(requirements)], log, timeout_s)
+        pip(py, [*install, "-r", str(requirements)], log, timeout_s)
     if spec.no_deps:
-        pip(py, ["install", "--no-deps", "-c", str(constraints), *spec.no_deps], log, timeout_s)
+        pip(py, [*install, "--no-deps", *spec.no_deps], log, timeout_s)
     freeze = subprocess.run(
         [str(py), "-m", "pip", "freeze", "--disable-pip-version-check"],
         capture_output=True,
@@ -227,8 +250,9 @@ def _check_pins(spec: EnvSpec, freeze: list[str]) -> None:
         if "==" in line:
             name, version = line.split("==", 1)
             installed[_canonical(name)] = version.split("+", 1)[0]
-    asked = [(pin, True) for pin in (*spec.requirements, *spec.no_deps)]
-    asked += [(pin, False) for pin in spec.constraints]  # a constraint need not be installed
+    layers = spec.chain()  # a base's pins hold in every environment cloned from it
+    asked = [(pin, True) for layer in layers for pin in (*layer.requirements, *layer.no_deps)]
+    asked += [(pin, False) for layer in layers for pin in layer.constraints]  # need not be there
     for pin, required in asked:
         if "==" not in pin:
             continue

@@ -48,9 +48,9 @@ REQUIREMENTS = (
 def env_python() -> Path:
     """The TRL venv's python, built by subjects.envs on first use and cached per machine
     (raises subjects.envs.EnvUnavailable when the package index cannot be reached)."""
-    from subjects.envs import EnvSpec, ensure
+    from subjects.envs import TORCH_BASE, EnvSpec, ensure
 
-    return ensure(EnvSpec("trl-1.16.0", requirements=REQUIREMENTS))
+    return ensure(EnvSpec("trl-1.16.0", requirements=REQUIREMENTS, base=TORCH_BASE))
 
 
 def load_pairs(data: Path) -> list[dict]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from subjects.envs import TORCH, EnvSpec, ensure
+from subjects.envs import TORCH, TORCH_BASE, EnvSpec, ensure
 
 VERSIONS = ("0.6.1", "0.7.0")
 BEFORE, AFTER = VERSIONS
@@ -55,13 +55,18 @@ _COMMON = (
 _EXTRA = {"0.7.0": ("pillow==11.3.0",)}
 
 
+#: what verl's environments share (its SFT ones and the PPO one), built once and cloned
+COMMON = EnvSpec("verl-common", requirements=_COMMON, base=TORCH_BASE)
+
+
 def spec(version: str) -> EnvSpec:
     if version not in VERSIONS:
         raise ValueError(f"verl {version}: not one of {', '.join(VERSIONS)}")
     return EnvSpec(
         name=f"verl-{version}",
-        requirements=_COMMON + _EXTRA.get(version, ()),
+        requirements=_EXTRA.get(version, ()),
         no_deps=(f"verl=={version}",),
+        base=COMMON,
     )
 
 
@@ -89,8 +94,9 @@ _RL_EXTRA = (
 def rl_spec() -> EnvSpec:
     return EnvSpec(
         name=f"verl-{RL_VERSION}-rl",
-        requirements=_COMMON + _RL_EXTRA,
+        requirements=_RL_EXTRA,
         no_deps=(f"verl=={RL_VERSION}",),
+        base=COMMON,
     )
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from subjects.envs import (
+    TORCH_BASE,
     EnvBuildError,
     EnvSpec,
     EnvUnavailable,
@@ -100,6 +101,7 @@ HF_ENVS = {
     "4.57.1": EnvSpec(
         "hf-4.57.1",
         requirements=("torch==2.13.0", "transformers==4.57.1", "accelerate==1.11.0"),
+        base=TORCH_BASE,
     ),
 }
 

@@ -672,3 +672,65 @@ def test_env_built_once_then_reused(tmp_path, monkeypatch):
     assert envs.ensure(spec, tmp_path) == python
     assert envs.find(spec, tmp_path) == python
     assert envs.find(envs.EnvSpec("other"), tmp_path) is None
+
+
+def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
+    """A pure-python wheel of one module ``name`` (its VERSION), written by hand: no build."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    files = {
+        f"{name}.py": f"VERSION = {version!r}\n",
+        f"{info}/METADATA": meta,
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_env_with_a_base_is_a_clone_with_its_own_packages_and_the_base_s_pins(
+    tmp_path, monkeypatch
+):
+    """A spec with a base: the base built once, cloned (its files hard links, never written),
+    only the spec's own packages installed into the clone; the base's pins checked there too."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    made = [("alpha", "1.0", ()), ("alpha", "2.0", ()), ("beta", "1.0", ())]
+    for name, version, requires in [*made, ("gamma", "1.0", ("alpha==2.0",))]:
+        _wheel(wheels, name, version, requires)
+    _offline_pip(monkeypatch, (tmp_path / "no-index").as_uri())
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    base = envs.EnvSpec("base", requirements=("alpha==1.0",), constraints=())
+    child = envs.EnvSpec("child", requirements=("beta==1.0",), constraints=(), base=base)
+    assert child.key() != envs.EnvSpec("child", requirements=("beta==1.0",), constraints=()).key()
+    python = envs.ensure(child, tmp_path / "e")
+    assert _leftovers(tmp_path / "e") == [base.folder_name(), child.folder_name()]
+    code = "import alpha, beta; print(alpha.VERSION, beta.VERSION)"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1.0", "1.0"]
+    here = envs.site_packages(python.parents[1]) / "alpha.py"
+    there = envs.site_packages(tmp_path / "e" / base.folder_name()) / "alpha.py"
+    assert here.stat().st_ino == there.stat().st_ino  # a hard link of the base's
+    assert not (there.parent / "beta.py").exists()  # the base is as it was built
+
+    built = []
+    real_build = envs._build
+    monkeypatch.setattr(envs, "_build", lambda spec, *a: built.append(spec) or real_build(spec, *a))
+    envs.ensure(envs.EnvSpec("other", constraints=(), base=base), tmp_path / "e")
+    assert [spec.name for spec in built] == ["other"]  # a new child, the same base
+    moves = envs.EnvSpec("moves", requirements=("gamma==1.0",), constraints=(), base=base)
+    with pytest.raises(envs.EnvBuildError, match=r"alpha==1\.0: installed 2\.0"):
+        envs.ensure(moves, tmp_path / "e")  # the base's pin moved by a child's dependency
+    assert there.read_text() == "VERSION = '1.0'\n"  # pip unlinked the clone's copy, not this
