@@ -61,7 +61,7 @@ from parity.run.job import (
     stopped_run,
 )
 from parity.run.launch import LaunchError, LaunchResult
-from parity.spec import JobSpec, PairSpec, check_read_options
+from parity.spec import JobSpec, PairSpec, check_read_options, read_keywords
 from parity.store import RunKey, RunStore, StoredRun, commit_key
 
 __all__ = [
@@ -490,16 +490,6 @@ def _run_names(dirs) -> list[str]:
     return [name for d in dirs for name in (d.name, launch_dir(d).name)]
 
 
-def _read(read: Mapping[str, Any] | None) -> dict[str, Any]:
-    """build_report's keywords for how both sides are read (spec.READ_OPTIONS)."""
-    options = check_read_options(read)
-    return {
-        "fmt": options["format"], "run_a": options["run"], "run_b": options["run"],
-        "duplicates": options["duplicates"], "allow_skipped": options["allow_skipped"],
-        "at_source_precision": options["at_source_precision"],
-    }  # fmt: skip
-
-
 def _failed(launches: Mapping[str, LaunchResult]) -> list[tuple[str, LaunchResult]]:
     return [(side, result) for side, result in launches.items() if not result.ok]
 
@@ -539,7 +529,7 @@ def check_golden(
                 f"{golden}: a golden with one baseline per environment; pass one of them: "
                 + ", ".join(str(metrics_path(b)) for b in found)
             )
-    options = _read(read)
+    options = read_keywords(check_read_options(read))
     frame = read_metrics(golden, options["fmt"], run=options["run_a"],
                          duplicates=options["duplicates"])  # fmt: skip
     if skipped_count(frame) and not options["allow_skipped"]:  # fails before the run, not after

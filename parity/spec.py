@@ -45,7 +45,7 @@ Scalar = str | int | float | bool
 __all__ = [
     "JobSpec", "LauncherSpec", "PairSpec", "SpecError", "format_scalar", "load_policies",
     "load_read_options", "load_spec", "masked_env", "require_choice", "require_flags",
-    "require_int", "load_check_options", "check_read_options",
+    "require_int", "load_check_options", "check_read_options", "read_keywords",
 ]  # fmt: skip
 
 
@@ -528,6 +528,16 @@ def check_read_options(given: Mapping[str, Any] | None, source: str = "read") ->
         if not ok:
             raise SpecError(f"{source}: read.{key} = {options[key]!r} is not valid")
     return options
+
+
+def read_keywords(options: Mapping[str, Any]) -> dict[str, Any]:
+    """compare_runs' and build_report's keywords for reading options (``check_read_options``'
+    dict): both sides read alike."""
+    return {
+        "fmt": options["format"], "run_a": options["run"], "run_b": options["run"],
+        "duplicates": options["duplicates"], "allow_skipped": options["allow_skipped"],
+        "at_source_precision": options["at_source_precision"],
+    }  # fmt: skip
 
 
 def load_check_options(path: str | Path | None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from parity.spec import (
     load_policies,
     load_read_options,
     load_spec,
+    read_keywords,
 )
 
 EXIT_ALIGNED, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 0, 1, 2, 3
@@ -215,13 +216,11 @@ def read_options(args: argparse.Namespace) -> dict[str, Any]:
 def files_read(args: argparse.Namespace) -> dict[str, Any]:
     """compare_runs' and build_report's keywords for two files given on the command line
     (read_arguments with ``files``): ``read_options``, a side's own --run-a/--run-b first."""
-    read = read_options(args)
-    return {
-        "fmt": read["format"], "run_a": args.run_a or read["run"],
-        "run_b": args.run_b or read["run"], "duplicates": read["duplicates"],
-        "allow_missing": args.allow_missing, "allow_incomplete": args.allow_incomplete,
-        "allow_skipped": read["allow_skipped"], "at_source_precision": read["at_source_precision"],
-    }  # fmt: skip
+    keywords = read_keywords(read_options(args))
+    for side in ("a", "b"):
+        keywords[f"run_{side}"] = getattr(args, f"run_{side}") or keywords[f"run_{side}"]
+    return {**keywords, "allow_missing": args.allow_missing,
+            "allow_incomplete": args.allow_incomplete}  # fmt: skip
 
 
 def job_from_args(args: argparse.Namespace) -> JobSpec | PairSpec:
