@@ -4,7 +4,8 @@ Both run folders traced the same step (a job's ``--trace-step K``, a loop's ``tr
 op streams are aligned per phase and module path: within one (phase, module) the sequences of op
 names are matched with difflib (longest common runs), so an op only one side runs (a refactor that
 adds, splits or fuses ops) is a *structural* difference and does not shift the ops after it; the
-matched pairs are compared by output hash in A's order. The first pair whose outputs differ is
+matched pairs are compared by output hash in A's order (a pair whose outputs differ in shape is
+two structural ops: other computations under one op name). The first pair whose outputs differ is
 named with the max ULP distance over its output's elements (when both sides kept the values) and
 whether its inputs were equal:
 
@@ -28,10 +29,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from parity.readers import MetricsError
-from parity.record.runfolder import OP_VALUES_SUFFIX, OPS_DIR, numbered_files, ops_dir
+from parity.record.runfolder import (
+    COLLECTIVE_NAMESPACES,
+    OP_VALUES_SUFFIX,
+    OPS_DIR,
+    numbered_files,
+    ops_dir,
+)
 
 _TENSOR = re.compile(r"^[0-9a-f]{16}$")  # a tensor input's hash; else a scalar ("float32=0.5",
 # a one-element tensor) or another argument's repr
+_ONE_ELEMENT = re.compile(r"^[a-z0-9_]+=")  # a one-element tensor ("float32=0.5")
+_TO_PYTHON = (["aten", "_local_scalar_dense"], ["aten", "item"], ["aten", "is_nonzero"],
+              ["aten", "equal"])  # fmt: skip
 MAX_STRUCTURAL = 20  # ops only one side has, kept in the result
 
 
@@ -65,6 +75,18 @@ def _op_problem(rec: dict[str, Any]) -> str:
         return "'out' must be a list of hashes"
     if not isinstance(rec["in"], list) or not all(isinstance(x, str) for x in rec["in"]):
         return "'in' must be a list of strings"
+    for key in ("scalars", "later"):
+        listed = rec.get(key)
+        if listed is not None and not (
+            isinstance(listed, list) and all(v is None or isinstance(v, str) for v in listed)
+        ):
+            return f"{key!r} must be a list of strings or nulls"
+    shapes = rec.get("shapes")
+    if shapes is not None and not (
+        isinstance(shapes, list)
+        and all(isinstance(s, list) and all(_is_int(d) for d in s) for s in shapes)
+    ):
+        return "'shapes' must be a list of lists of integers"
     if rec.get("src") is not None and not isinstance(rec["src"], str):
         return "'src' must be a string"
     return ""
@@ -123,6 +145,10 @@ def where(rec: dict[str, Any]) -> str:
     return f"{rec['phase']} {module} {rec['op']} #{rec['n']}"
 
 
+def _shapes(shapes: list[list[int]]) -> str:
+    return ", ".join("[" + ", ".join(map(str, shape)) + "]" for shape in shapes)
+
+
 def ulp_distance(a, b) -> int | None:
     """Max ULP distance over the elements of two float tensors of one shape and dtype."""
     import torch
@@ -159,6 +185,10 @@ class OpDiff:
     origin: Literal["born here", "scalar argument", "structural", "inputs", None] = None
     structural: list[dict[str, Any]] = field(default_factory=list)  # first MAX_STRUCTURAL
     structural_count: int = 0
+    # ops whose outputs differ where the difference does not last (every op taking it makes
+    # values the other side holds) or each value is the other side's elsewhere: not the first
+    undone: list[dict[str, Any]] = field(default_factory=list)  # first MAX_STRUCTURAL
+    undone_count: int = 0
     cost: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> trace time, size
     detail: str = ""
     errors: list[str] = field(default_factory=list)  # a values file that could not be read
@@ -174,8 +204,15 @@ class OpDiff:
                 f"; {self.structural_count} ops only one side runs, first {first['side']} only: "
                 f"{where(first)}"
             )
+        if self.undone_count:
+            extra += (
+                f"; {self.undone_count} earlier ops differ without lasting (undone later), "
+                f"first {self.undone[0]['where']}"
+            )
         if self.status == "same":
             return f"every op of {at} identical ({self.ops_compared} ops compared){extra}"
+        if self.status == "structural" and self.undone_count:
+            return f"no difference lasts at {at} ({self.ops_compared} ops compared){extra}"
         if self.status == "structural":
             return f"ops of {at} differ only in structure, no common op's output differs{extra}"
         f = self.first
@@ -188,8 +225,16 @@ class OpDiff:
         elif self.origin == "scalar argument":
             text += f"; only a scalar input differs: {f['scalar']})"
         elif self.origin == "structural":
-            text += "; its inputs differ, after ops only one side runs: the difference comes "
-            text += "from those)"
+            source = f.get("source")
+            differ = f"; its inputs differ ({f['scalar']})" if f.get("scalar") else (
+                "; its inputs differ")  # fmt: skip
+            if source:
+                made = f" making {_shapes(source['shapes'])}" if source.get("shapes") else ""
+                at = f" at {source['src']}" if source.get("src") else ""
+                text += f"{differ}, from an op only {source['side']} runs: {source['where']}"
+                text += f"{made}{at})"
+            else:
+                text += f"{differ}, after ops only one side runs: the difference comes from those)"
         else:
             text += "; its inputs already differ: weights, data or code outside the trace)"
         return text + extra
@@ -224,6 +269,145 @@ def _load_values(path: Path) -> dict:
     return values
 
 
+def _tensor_inputs(rec: dict[str, Any]) -> list[str]:
+    """Its inputs of more than one element, by hash."""
+    return [x for x in rec["in"] if _TENSOR.match(x)]
+
+
+def _top_level(rec: dict[str, Any]) -> bool:
+    """An op of the step's own code: in no module and on no one parameter (a loss, a batch's
+    packing, a foreach over every gradient), ``scope:`` alone inside a scoped trace."""
+    return not rec["module"].rpartition(":")[2]
+
+
+def _keys(rec: dict[str, Any], j: int) -> set[str]:
+    """How later ops' inputs show output j: its hash, a one-element output's dtype=value, what
+    the first op to take an output recorded without hash saw."""
+    keys = {rec["out"][j]} if rec["out"][j] else set()
+    for listed in (rec.get("scalars"), rec.get("later")):
+        if listed and j < len(listed) and listed[j]:
+            keys.add(listed[j])
+    return keys
+
+
+def _held(records: list[dict[str, Any]]) -> set[str]:
+    """Every value a trace holds: outputs and inputs, by hash and as dtype=value."""
+    out: set[str] = set()
+    for r in records:
+        out.update(h for h in r["out"] if h)
+        out.update(v for v in r.get("scalars") or () if v)
+        out.update(x for x in r["in"] if _TENSOR.match(x) or _ONE_ELEMENT.match(x))
+    return out
+
+
+class _Flow:
+    """One side's trace as values flowing from op to op (inputs and outputs matched by hash,
+    one-element tensors by dtype=value), against what the other side holds."""
+
+    def __init__(self, records: list[dict[str, Any]], other: set[str]):
+        self.records, self.other = records, other
+        self.position = {id(r): k for k, r in enumerate(records)}
+        self.takers: dict[str, list[int]] = {}
+        self.makers: dict[str, list[int]] = {}
+        for k, r in enumerate(records):
+            for x in set(r["in"]):
+                self.takers.setdefault(x, []).append(k)
+            for j in range(len(r["out"])):
+                for key in _keys(r, j):
+                    self.makers.setdefault(key, []).append(k)
+
+    def made(self, key: str, before: int) -> int | None:
+        """The position of the last op before `before` that made the value `key`."""
+        found = [k for k in self.makers.get(key, ()) if k < before]
+        return found[-1] if found else None
+
+    def source(self, rec: dict[str, Any], keys: set[str], only: set[int], limit: int = 5000):
+        """The nearest op only this side runs (positions `only`) that the values `keys` taken
+        by `rec` come from, following back the ops that made them through values the other side
+        does not hold; None when they come from outside the trace."""
+        todo, seen = [(self.position[id(rec)], keys)], set()
+        while todo and len(seen) < limit:
+            at, wanted = todo.pop(0)
+            for key in wanted:
+                k = self.made(key, at)
+                if k is None or k in seen:
+                    continue
+                if k in only:
+                    return self.records[k]
+                seen.add(k)
+                inputs = {x for x in self.records[k]["in"] if _TENSOR.match(x) or
+                          _ONE_ELEMENT.match(x)}  # fmt: skip
+                todo.append((k, inputs - self.other))
+        return None
+
+    def lasting(self, rec: dict[str, Any], j: int, scalars: set[str] = frozenset(),
+                limit: int = 5000) -> bool:  # fmt: skip
+        """Whether output j of `rec`, a value the other side does not hold, reaches the step's
+        end as a difference: an op that takes it later makes a value the other side does not
+        hold (followed; a collective's or a view's result through what the op after it took),
+        or one the trace cannot follow, or no op takes it (it leaves the step). False when
+        every op that takes it makes only values the other side holds (the difference is
+        undone: a loss gradient scaled by 2 and divided by 128 where the other side divides by
+        64) or turns it into a Python number (a logged value, which the metrics judge, or a
+        later op's scalar input, where that op differs).
+
+        `scalars`: the scalar inputs in which `rec` differs from its counterpart. Autograd takes
+        a forward op's scalar into its backward, not the forward's output: a one-element
+        tensor is followed to every op that takes it, a Python number (which many ops take as
+        a size or a dimension) to the later ops of the same name that take it (the backward of
+        ``x * 2`` is ``grad * 2``)."""
+        start = self.position[id(rec)]
+        users = {k for key in _keys(rec, j) for k in self.takers.get(key, ()) if k > start}
+        for u in scalars:
+            same_op = not _ONE_ELEMENT.match(u)
+            users |= {k for k in self.takers.get(u, ()) if k > start and
+                      (not same_op or self.records[k]["op"] == rec["op"])}  # fmt: skip
+        if not users:
+            return True  # it leaves the step
+        seen: set[int] = set()
+        while users:
+            if len(seen) > limit:
+                return True  # too far to follow: kept
+            k = min(users)
+            users.discard(k)
+            if k in seen:
+                continue
+            seen.add(k)
+            user = self.records[k]
+            if user["op"].split(".")[:2] in _TO_PYTHON:
+                continue  # a Python number: a metric, or a later op's scalar input
+            if not user["out"]:
+                return True  # changed in place (a foreach op), not followed
+            collective = user["op"].split(".")[0] in COLLECTIVE_NAMESPACES
+            for i in range(len(user["out"])):
+                keys = _keys(user, i)
+                if not keys and collective:
+                    continue  # a wait, a wrapper: the result goes on through one's `later`
+                if not keys:
+                    return True  # an output the trace cannot follow
+                if keys & self.other:
+                    continue
+                takers = {t for key in keys for t in self.takers.get(key, ()) if t > k}
+                if not takers:
+                    return True  # a value the other side does not hold leaves the step
+                users |= takers
+        return False
+
+
+def _same_computation(x: dict[str, Any], y: dict[str, Any]) -> bool:
+    """Whether two ops aligned by name compute one thing, so that their outputs are compared.
+    Not when their outputs differ in shape (traces that record it: zeros of another size, a
+    gradient shard laid out on another dimension). Nor, for top-level code, when their tensor
+    inputs differ: two implementations of a step share op names, not positions (a module's
+    ops come from the module's code, a top-level op from whichever code the side runs), so a
+    top-level op is compared only on the same tensors, where a difference is born or comes
+    from a scalar; one that carries a difference from elsewhere is not compared."""
+    sx, sy = x.get("shapes"), y.get("shapes")
+    if sx is not None and sy is not None and sx != sy:
+        return False
+    return not _top_level(x) or _tensor_inputs(x) == _tensor_inputs(y)
+
+
 def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
     """Compare one rank's traces into `out`; True when something differs."""
     ra, ea = read_ops(pa)
@@ -247,15 +431,33 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
         sm = difflib.SequenceMatcher(None, [r["op"] for r in ga], [r["op"] for r in gb], False)
         for tag, i1, i2, j1, j2 in sm.get_opcodes():
             if tag == "equal":
-                pairs += zip(ga[i1:i2], gb[j1:j2], strict=True)
+                for x, y in zip(ga[i1:i2], gb[j1:j2], strict=True):
+                    if _same_computation(x, y):
+                        pairs.append((x, y))
+                    elif x.get("shapes") != y.get("shapes"):  # other computations
+                        only += [("a", x), ("b", y)]
             else:
                 only += [("a", r) for r in ga[i1:i2]] + [("b", r) for r in gb[j1:j2]]
     pairs.sort(key=lambda p: p[0]["i"])
     out.ops_compared = len(pairs)
     first = None
+    flow_a, flow_b = _Flow(ra, _held(rb)), _Flow(rb, _held(ra))
     for x, y in pairs:
         for j, (hx, hy) in enumerate(zip(x["out"], y["out"], strict=False)):
             if hx is not None and hy is not None and hx != hy:
+                scalars = [
+                    (u, v)
+                    for u, v in zip(x["in"], y["in"], strict=False)
+                    if u != v and not (_TENSOR.match(u) or _TENSOR.match(v))
+                ]
+                kept = (
+                    hx not in flow_a.other and flow_a.lasting(x, j, {u for u, _ in scalars})
+                ) or (hy not in flow_b.other and flow_b.lasting(y, j, {v for _, v in scalars}))
+                if not kept:  # undone later, or each value is the other's elsewhere
+                    out.undone_count += 1
+                    if len(out.undone) < MAX_STRUCTURAL:
+                        out.undone.append({"where": where(x), "a_index": x["i"], "b_index": y["i"]})
+                    continue
                 first = (x, y, j)
                 break
         if first or len(x["out"]) != len(y["out"]):
@@ -269,7 +471,7 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
         for s, r in only[:MAX_STRUCTURAL]
     ]
     if first is None:
-        out.status = "structural" if only else "same"
+        out.status = "structural" if only or out.undone_count else "same"
         return bool(only)
     x, y, j = first
     ulp = None
@@ -306,13 +508,27 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
     if len(x["in"]) != len(y["in"]):
         differing.append(("?", "?"))
     before = any(r["i"] < (x["i"] if s == "a" else y["i"]) for s, r in only)
+    if not any(_TENSOR.match(u) or _TENSOR.match(v) for u, v in differing):
+        out.first["scalar"] = ", ".join(f"{u} vs {v}" for u, v in differing[:3]) or None
+    # a one-element input some op of the trace made carries a difference from before
+    made = any(flow_a.made(u, flow_a.position[id(x)]) is not None for u, _ in differing)
     if not differing:
         out.origin = "born here"
-    elif not any(_TENSOR.match(u) or _TENSOR.match(v) for u, v in differing):
+    elif out.first["scalar"] and not made:
         out.origin = "scalar argument"
-        out.first["scalar"] = ", ".join(f"{u} vs {v}" for u, v in differing[:3])
     else:
         out.origin = "structural" if before else "inputs"
+        for side, flow, rec, keys in (
+            ("a", flow_a, x, {u for u, _ in differing}),
+            ("b", flow_b, y, {v for _, v in differing}),
+        ):
+            positions = {flow.position[id(r)] for s, r in only if s == side}
+            source = flow.source(rec, keys, positions)
+            if source is not None:
+                out.first["source"] = {"side": side, "where": where(source),
+                                       "src": source.get("src"),
+                                       "shapes": source.get("shapes")}  # fmt: skip
+                break
     out.status = "differ"
     return True
 

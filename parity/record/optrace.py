@@ -10,16 +10,23 @@ writes, per rank, ``ops/rank{r}.jsonl`` (one record per op, then the end record)
 that differs; read back with ``torch.load(weights_only=True)``). A record:
 
     {"i": 17, "phase": "forward", "module": "model.layers.0.mlp.up_proj", "op": "aten.mm.default",
-     "n": 0, "out": ["<hash>"], "in": ["<hash>", "float32=0.5", "[1, 2]"], "src": "file.py:12"}
+     "n": 0, "out": ["<hash>"], "shapes": [[4, 64]], "in": ["<hash>", "float32=0.5", "[1, 2]"],
+     "src": "file.py:12"}
 
 phase: "forward" (inside a module's forward), "backward" (run by autograd's engine) or "step"
 (top-level code: the loss, gradient clipping, the optimizer). module: the innermost module
 running (forward and backward, from torch's ModTracker), or for a step op on one parameter
 or its gradient (clipping, the optimizer; given `model`) that parameter's name (``.grad``
-added), else ""; n: the
+added), else "", with ``scope:`` before it inside ``OpTracer.within(scope)``; n: the
 occurrence of this op in this phase and module; out/in: a hash of each output tensor and of each
-input (a one-element tensor as its dtype and value; other arguments as their repr); src: the
-first caller outside torch (forward and step ops only: backward runs in autograd's engine).
+input (a one-element tensor as its dtype and value; other arguments as their repr); shapes: each
+output tensor's shape (two ops whose outputs differ in shape are not one computation); scalars
+(where an output has one element): each output as an input shows it, ``dtype=value`` (what links
+it to the ops that take it); later (where an output has no hash): what the first op to take it
+saw, its hash or dtype=value (the link from a collective's or a view's result on; never
+compared); src: the
+first caller outside torch (forward and step ops only: backward runs in autograd's engine),
+relative to the working folder, or to site-packages for an installed package's code.
 
 Why a TorchDispatchMode of our own, and not torch.utils._debug_mode.DebugMode: DebugMode's
 hashes are an L1 norm or torch.hash_tensor's XOR sum, both over a float64 cast (a permutation or
@@ -43,6 +50,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.record.digest import DIGEST_SIZE
-from parity.record.runfolder import op_trace_paths
+from parity.record.runfolder import COLLECTIVE_NAMESPACES, op_trace_paths
 
 # outputs kept for the ULP distance of the op that differs: each up to MAX_TENSOR_BYTES, in all
 # up to MAX_VALUE_BYTES per rank (a 2-layer, 128-wide model: ~10 MB); hashes of every output
@@ -60,8 +68,11 @@ MAX_TENSOR_BYTES = 64 * 2**10
 MAX_VALUE_BYTES = 32 * 2**20
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SITE = os.sep + "site-packages" + os.sep
 _UNINITIALIZED = ("empty", "resize", "set_.")
-_COLLECTIVE_NS = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
+# tensor subclasses whose ops are traced as the plain ops they run: DTensor's local ops, and a
+# functional collective's result (its wait, then the op on the waited tensor)
+_UNWRAPS = ("DTensor", "AsyncCollectiveTensor")
 
 
 _PLAIN = {torch.Tensor, torch.nn.Parameter}
@@ -82,6 +93,9 @@ def _hash(t: torch.Tensor) -> str:
     h.update(f"{tuple(t.shape)}:{t.dtype};".encode())
     if t.numel():
         t = t.cpu()
+        if t.layout != torch.strided:  # sparse: its values in place, as a dense tensor holds them
+            h.update(f"{t.layout};".encode())
+            t = t.to_dense()
         as_int = _INTS.get(t.element_size()) if not t.is_complex() else None
         if as_int is None:
             t = t.reshape(-1).clone().view(torch.uint8)
@@ -94,6 +108,14 @@ def _hash(t: torch.Tensor) -> str:
 def _where(t: torch.Tensor) -> tuple:
     """Where a tensor's elements live (a live parameter's or gradient's memory is its own)."""
     return (t.device, t.data_ptr(), tuple(t.shape), t.dtype)
+
+
+def _memory(t: torch.Tensor) -> tuple | None:
+    """`_where`, or None for a tensor without memory of its own to point at (sparse, nested)."""
+    try:
+        return _where(t)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _input(x: Any) -> str:
@@ -112,7 +134,10 @@ def _source() -> str | None:
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith((_TORCH_DIR, _HERE)):
-            return f"{os.path.relpath(name) if not name.startswith('<') else name}:{frame.f_lineno}"
+            if name.startswith("<"):
+                return f"{name}:{frame.f_lineno}"
+            _, installed, inside = name.rpartition(_SITE)  # an installed package's own path
+            return f"{inside if installed else os.path.relpath(name)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
@@ -146,6 +171,14 @@ class OpTracer(TorchDispatchMode):
         self.tracker = _module_tracker()
         self._stack: contextlib.ExitStack | None = None
         self._node_module: dict[Any, str] = {}  # autograd node -> the module whose forward made it
+        self.scope = ""  # put before every module name (`within`): which of several models ran
+        # outputs recorded with no hash (a view's, a collective's, uninitialized memory's), until
+        # an op takes their memory (a collective's waited result is another tensor object on the
+        # same memory): where -> (the tensor, weakly: while it lives its memory is its own;
+        # its record; its output index)
+        self._unread: dict[tuple, tuple[weakref.ref, int, int]] = {}
+        self.seconds = 0.0  # inside the tracer, over every time it was entered
+        self._entered = 0.0
 
     def _module(self) -> str:
         names = [p for p in self.tracker.parents if p != "Global"]
@@ -176,6 +209,20 @@ class OpTracer(TorchDispatchMode):
             self._node_module.setdefault(node, name)
             stack.extend(n for n, _ in node.next_functions)
 
+    def _input(self, x: Any, link: bool = True) -> str:
+        """An input as recorded (`_input`); the first time an op other than a collective takes
+        an output recorded with no hash, its record learns what it held then (``later``): the
+        link from a collective's or a view's result to the ops that use it, which the diagnosis
+        follows (never compared). A collective's own ops may take its buffer before it is
+        written (a wait, an autograd wrapper): they do not link."""
+        text = _input(x)
+        if link and isinstance(x, torch.Tensor) and self._unread:
+            unread = self._unread.pop(_memory(x), None)
+            if unread is not None and unread[0]() is not None:
+                rec = self.records[unread[1]]
+                rec.setdefault("later", [None] * len(rec["out"]))[unread[2]] = text
+        return text
+
     def _param(self, leaves: list) -> str | None:
         """The parameter (or gradient) a top-level op works on: what names clipping's and the
         optimizer's per-tensor ops (foreach ops take them all: not named)."""
@@ -194,8 +241,8 @@ class OpTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         leaves, _ = tree_flatten((args, kwargs))
         kinds = {type(x) for x in leaves if isinstance(x, torch.Tensor)} - _PLAIN
-        if any(k.__name__ == "DTensor" for k in kinds):
-            return NotImplemented  # DTensor runs its local ops, which come back here
+        if any(k.__name__ in _UNWRAPS for k in kinds):
+            return NotImplemented  # the subclass runs its own ops, which come back here
         if kinds:  # fake tensors (DTensor's sharding propagation) and other subclasses
             return func(*args, **kwargs)
         name = str(func)
@@ -209,7 +256,11 @@ class OpTracer(TorchDispatchMode):
             self._names = None  # gradients made since: map again
         elif phase == "step" and "_foreach_" not in name:
             module = self._param(leaves) or ""
-        inputs = [_input(x) for x in leaves]  # before the op: in-place ops change them
+        if self.scope:
+            module = f"{self.scope}:{module}"
+        collective = name.split(".")[0] in COLLECTIVE_NAMESPACES
+        # before the op: in-place ops change them
+        inputs = [self._input(x, link=not collective) for x in leaves]
         out = func(*args, **kwargs)
         key = (phase, module, name)
         n = self._counts.get(key, 0)
@@ -217,15 +268,23 @@ class OpTracer(TorchDispatchMode):
         i = len(self.records)
         skip = (
             any(s in name for s in _UNINITIALIZED)
-            or name.split(".")[0] in _COLLECTIVE_NS
+            or collective
             or getattr(func, "is_view", False)  # may alias a buffer not written yet (FSDP2)
         )
         hashes: list[str | None] = []
+        shapes: list[list[int]] = []
+        scalars: list[str | None] = []  # a one-element output as later ops' inputs show it
         for j, t in enumerate(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)):
+            shapes.append(list(t.shape))
             if skip or t.is_meta:
                 hashes.append(None)
+                scalars.append(None)
+                memory = None if t.is_meta else _memory(t)
+                if memory is not None:  # its value as the first op to take it sees: `later`
+                    self._unread.setdefault(memory, (weakref.ref(t), i, j))
                 continue
             hashes.append(_hash(t))
+            scalars.append(_input(t) if t.numel() == 1 else None)
             if t.is_floating_point():
                 size = t.numel() * t.element_size()
                 if size <= MAX_TENSOR_BYTES and self.value_bytes + size <= self.max_value_bytes:
@@ -234,7 +293,9 @@ class OpTracer(TorchDispatchMode):
                 else:
                     self.values_dropped += 1
         rec = {"i": i, "phase": phase, "module": module, "op": name, "n": n, "out": hashes}
-        rec["in"] = inputs
+        rec["shapes"], rec["in"] = shapes, inputs
+        if any(scalars):
+            rec["scalars"] = scalars
         if not backward:
             rec["src"] = _source()
         self.records.append(rec)
@@ -246,13 +307,50 @@ class OpTracer(TorchDispatchMode):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(self.tracker)
         self._stack.callback(register_module_forward_hook(self._label_graph).remove)
+        self._entered = time.perf_counter()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
         if self._stack is not None:
             self._stack.close()
+        self.seconds += time.perf_counter() - self._entered
         return out
+
+    @contextlib.contextmanager
+    def within(self, scope: str, model: torch.nn.Module | None = None) -> Iterator[OpTracer]:
+        """Trace the block as part of the same step, its ops' modules named ``scope:module``
+        (``scope:`` for top-level ops): for a step that runs several models in separate
+        calls (an RL step: the critic's values, the actor's log-probs, both updates), each call
+        inside its own ``within``, and the step written once after the last (`write`)."""
+        self.scope, self.model, self._names = scope, model, None
+        try:
+            with self:
+                yield self
+        finally:
+            self.scope = ""
+
+    def write(self, out: str | Path, step: int, rank: int) -> None:
+        """ops/rank{r}.jsonl and ops/rank{r}.pt of run folder `out` (each written whole),
+        the trace's cost in the end record."""
+        from parity.record.files import write_text_atomic
+
+        jsonl, values = op_trace_paths(out, rank)
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        tmp = values.with_name(f".{values.name}.tmp")
+        torch.save(self.values, tmp)
+        tmp.replace(values)
+        lines = [json.dumps(r) for r in self.records]
+        end = {
+            "event": "end",
+            "step": step,
+            "ops": len(self.records),
+            "seconds": round(self.seconds, 4),
+            "values_bytes": self.value_bytes,
+            "values_dropped": self.values_dropped,
+        }
+        lines.append(json.dumps(end))
+        write_text_atomic(jsonl, "\n".join(lines) + "\n")
 
 
 @contextlib.contextmanager
@@ -272,25 +370,6 @@ def trace_ops(
 
         rank = dist_facts()[0]
     tracer = OpTracer(model, max_value_bytes)
-    start = time.perf_counter()
     with tracer:
         yield tracer
-    seconds = time.perf_counter() - start
-    from parity.record.files import write_text_atomic
-
-    jsonl, values = op_trace_paths(out, rank)
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    tmp = values.with_name(f".{values.name}.tmp")
-    torch.save(tracer.values, tmp)
-    tmp.replace(values)
-    lines = [json.dumps(r) for r in tracer.records]
-    end = {
-        "event": "end",
-        "step": step,
-        "ops": len(tracer.records),
-        "seconds": round(seconds, 4),
-        "values_bytes": tracer.value_bytes,
-        "values_dropped": tracer.values_dropped,
-    }
-    lines.append(json.dumps(end))
-    write_text_atomic(jsonl, "\n".join(lines) + "\n")
+    tracer.write(out, step, rank)

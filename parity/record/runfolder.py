@@ -81,6 +81,10 @@ OPS_DIR = "ops"
 #: The suffix of a rank's kept op outputs in OPS_DIR (rank0.pt, read with weights_only=True).
 OP_VALUES_SUFFIX = ".pt"
 
+#: The op namespaces of collectives in an op trace: their outputs are recorded without a hash
+#: (written asynchronously), and their result reaches the trace through ``later``.
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
+
 _RANK_FILE = re.compile(re.escape(RANK_FILE).replace(re.escape("{rank}"), r"(\d+)"))
 
 PathLike = str | os.PathLike[str]

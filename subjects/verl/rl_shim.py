@@ -43,6 +43,15 @@ saves the weights each sync sends it (``rollout_weights{K}.pt``); on both sides 
 gradients at each grad-norm clip, gathered, with each rank's shard and the norm
 (``grads{K}.pt``: the critic's, then the actor's, at each step). Numbers are unchanged.
 
+Another, off unless asked (``run_ppo --trace-step K``): with ``PARITY_VERL_TRACE=K`` and
+``PARITY_VERL_TRACE_OUT=DIR`` every rank traces the ops of training step K into ``DIR/ops/``
+(``parity.record.optrace``, what the harness's diagnosis reads to name the first differing op):
+the worker calls that compute, in the order the trainer makes them (the critic's values, the
+actor's log-probs, the critic's update, the actor's update), each traced inside
+``OpTracer.within`` with its role (``critic:``/``actor:`` before the module names: both models
+are a Qwen2 body with the same module paths), the trace written when step K's actor update
+returns. The worker counts the step itself (one actor update per step). Numbers are unchanged.
+
 ``applied()`` (from ``subjects.verl.cpu_shim``) lists every patch in force.
 """
 
@@ -149,6 +158,14 @@ def _patch_padding_helpers(attention_utils) -> None:
 # -- diagnostic: the trainer's per-step tensors ---------------------------------------------------
 
 
+def _untraced():
+    """The dumps' own ops kept out of a step's op trace (they gather shards, which the two worker
+    implementations lay out differently: ops of the diagnostic, not of the training)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def _dump_tensors(ray_trainer) -> None:
     import os
 
@@ -196,9 +213,10 @@ def _dump_engine_actor(engine_workers) -> None:
     @functools.wraps(original)  # keeps verl's dispatch attributes
     def compute_log_prob(self, data):
         full = {}
-        for name, param in self.actor.engine.module.named_parameters():
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-            full[name] = tensor.detach().to("cpu", copy=True)
+        with _untraced():
+            for name, param in self.actor.engine.module.named_parameters():
+                tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+                full[name] = tensor.detach().to("cpu", copy=True)
         self._parity_calls = getattr(self, "_parity_calls", 0) + 1
         if torch.distributed.get_rank() == 0:
             torch.save(full, os.path.join(where, f"engine_actor{self._parity_calls}.pt"))
@@ -224,8 +242,9 @@ def _dump_engine_inputs(transformer_impl) -> None:
             calls = getattr(self, "_parity_calls", 0) + 1
             self._parity_calls = calls
             if calls <= 2 and torch.distributed.get_rank() == 0:
-                kept = {k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}
-                torch.save(kept, os.path.join(where, f"engine_actor_inputs{calls}.pt"))
+                with _untraced():
+                    kept = {k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}
+                    torch.save(kept, os.path.join(where, f"engine_actor_inputs{calls}.pt"))
         return inputs, args
 
     engine.prepare_model_inputs = prepare_model_inputs
@@ -246,17 +265,18 @@ def _dump_grads(module) -> None:
     def fsdp2_clip_grad_norm_(parameters, *args, **kwargs):
         parameters = list(parameters)
         full, shards = [], []
-        for p in parameters:
-            grad = p.grad
-            if grad is None:
-                continue
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            shards.append((tuple(local.shape), str(getattr(grad, "placements", ""))))
-            gathered = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            full.append(gathered.detach().to("cpu", copy=True))
+        with _untraced():
+            for p in parameters:
+                grad = p.grad
+                if grad is None:
+                    continue
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                shards.append((tuple(local.shape), str(getattr(grad, "placements", ""))))
+                gathered = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+                full.append(gathered.detach().to("cpu", copy=True))
         norm = original(parameters, *args, **kwargs)
-        # the full norm: every rank takes part in the gather
-        whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        with _untraced():  # the full norm: every rank takes part in the gather
+            whole = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         _dump_grads.calls += 1
         if torch.distributed.get_rank() == 0:
             saved = {"grads": full, "shards": shards, "norm": whole.detach().to("cpu", copy=True)}
@@ -270,6 +290,98 @@ def _dump_grads(module) -> None:
 _dump_grads.calls = 0
 
 
+# -- diagnostic: every op of one training step ---------------------------------------------------
+
+
+class _StepTrace:
+    """One process's trace of step ``step`` (module doc): its tracer, the actor updates done."""
+
+    def __init__(self, step: int, out: str):
+        self.step, self.out = step, out
+        self.updates = 0  # actor updates this process finished: the step is updates + 1
+        self.tracer = None
+        self.inside = False  # a traced call is running (the engine actor's own TrainingWorker)
+
+    def call(self, original, worker, role: str, model, args, kwargs):
+        if self.inside or self.updates + 1 != self.step:
+            return original(worker, *args, **kwargs)
+        from parity.record.optrace import OpTracer
+
+        if self.tracer is None:
+            self.tracer = OpTracer()
+        self.inside = True
+        try:
+            with self.tracer.within(role, model):
+                return original(worker, *args, **kwargs)
+        finally:
+            self.inside = False
+
+    def updated(self) -> None:
+        """After an actor update: step K's trace written when K's returns."""
+        self.updates += 1
+        if self.updates == self.step and self.tracer is not None:
+            self.tracer.write(self.out, self.step, torch.distributed.get_rank())
+            self.tracer = None
+
+
+def _trace_step(classes) -> None:
+    """With PARITY_VERL_TRACE: wrap the computing methods of ``classes`` ((class, role, method
+    names, where the model is, whether a call is the actor update) each) in the step's trace."""
+    import functools
+    import os
+
+    step = os.environ.get("PARITY_VERL_TRACE")
+    if not step:
+        return
+    global _STEP_TRACE
+    if _STEP_TRACE is None:
+        _STEP_TRACE = _StepTrace(int(step), os.environ["PARITY_VERL_TRACE_OUT"])
+    trace = _STEP_TRACE
+
+    def wrap(original, role: str, model_of, update: bool):
+        @functools.wraps(original)  # keeps verl's dispatch attributes
+        def traced(self, *args, **kwargs):
+            result = trace.call(original, self, role, model_of(self), args, kwargs)
+            if update:
+                trace.updated()
+            return result
+
+        traced._parity_shim = True
+        return traced
+
+    for cls, role, names, model_of, update in classes:
+        for name in names:
+            original = getattr(cls, name)
+            if not getattr(original, "_parity_shim", False):
+                setattr(cls, name, wrap(original, role, model_of, name == update))
+
+
+_STEP_TRACE: _StepTrace | None = None
+
+
+def _trace_legacy(fsdp_workers) -> None:
+    _trace_step([
+        (fsdp_workers.ActorRolloutRefWorker, "actor", ("compute_log_prob", "update_actor"),
+         lambda w: getattr(w, "actor_module_fsdp", None), "update_actor"),
+        (fsdp_workers.CriticWorker, "critic", ("compute_values", "update_critic"),
+         lambda w: getattr(w, "critic_module", None), None),
+    ])  # fmt: skip
+
+
+def _trace_engine(engine_workers) -> None:
+    def module(training_worker):
+        return getattr(getattr(training_worker, "engine", None), "module", None)
+
+    _trace_step([
+        (engine_workers.ActorRolloutRefWorker, "actor", ("compute_log_prob", "update_actor"),
+         lambda w: module(getattr(w, "actor", None)), "update_actor"),
+        # the critic is a TrainingWorker the trainer calls itself (the actor's own is called
+        # inside a traced actor call, and passes through)
+        (engine_workers.TrainingWorker, "critic", ("infer_batch", "train_mini_batch"),
+         module, None),
+    ])  # fmt: skip
+
+
 def install() -> None:
     assert cpu_shim.applied() is not None  # its patches are in force once it is imported
     _patch_process_group()
@@ -277,6 +389,8 @@ def install() -> None:
     after_import("verl.utils.model", _patch_valuehead)
     after_import("verl.utils.attention_utils", _patch_padding_helpers)
     after_import("verl.trainer.ppo.ray_trainer", _dump_tensors)
+    after_import("verl.workers.fsdp_workers", _trace_legacy)
+    after_import("verl.workers.engine_workers", _trace_engine)  # inside the dump's wrapper
     after_import("verl.workers.engine_workers", _dump_engine_actor)
     after_import("verl.workers.engine.fsdp.transformer_impl", _dump_engine_inputs)
     for name in ("actor.dp_actor", "critic.dp_critic", "engine.fsdp.transformer_impl"):

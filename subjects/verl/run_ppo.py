@@ -26,7 +26,9 @@ finished copies verl's file logger there, record for record: ``{"step": N, **dat
 numbers as verl's ``json.dumps`` wrote them (a float64 round-trips exactly), strings left out as
 the harness's verl readers leave them out, then the end record. ``--record`` adds the rollout's
 data digests (``DIR/ranks/rank0.jsonl``, what the harness's diagnosis reads), ``--plant
-repeat-batch@K`` a data bug for tests (both in ``subjects.verl.rl_rollout``). The run
+repeat-batch@K`` a data bug for tests (both in ``subjects.verl.rl_rollout``), ``--trace-step K``
+every op of step K on every rank (``DIR/ops/``, ``subjects.verl.rl_shim``): what names the first
+differing op. The run
 is a session of its own; when it ends (or times out) every process of that session still alive,
 Ray's daemons and workers included, is ended, and ``DIR/run.json`` records what was left.
 """
@@ -236,6 +238,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the rollout's data digests into DIR/ranks (subjects.verl.rl_rollout)",
     )
     p.add_argument(
+        "--trace-step",
+        type=int,
+        metavar="K",
+        help="every op of training step K into DIR/ops, every rank (subjects.verl.rl_shim)",
+    )
+    p.add_argument(
         "--plant",
         metavar="repeat-batch@K",
         help="a data bug for tests: step K takes step K-1's prompts again (rl_rollout)",
@@ -277,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         variables["PARITY_VERL_RECORD"] = str(out)
     if args.plant:
         variables["PARITY_VERL_PLANT"] = args.plant
+    if args.trace_step:
+        variables["PARITY_VERL_TRACE"] = str(args.trace_step)
+        variables["PARITY_VERL_TRACE_OUT"] = str(out)
     environ = {**os.environ, **variables}
     unwanted = ["CUDA_VISIBLE_DEVICES", "RAY_ADDRESS"]  # a local cluster, no real GPU
     for flag, name in ((args.dump, "PARITY_VERL_DUMP"), (args.record, "PARITY_VERL_RECORD")):
@@ -284,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             unwanted.append(name)
     if not args.plant:
         unwanted.append("PARITY_VERL_PLANT")
+    if not args.trace_step:
+        unwanted += ["PARITY_VERL_TRACE", "PARITY_VERL_TRACE_OUT"]
     for name in unwanted:  # a local cluster, no real GPU
         environ.pop(name, None)
     for stale in (FILE_LOGGER, METRICS):  # verl's file logger appends

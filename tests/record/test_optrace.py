@@ -14,7 +14,7 @@ from tests.specs import SEQ_MEAN
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from parity.record import trace_ops  # noqa: E402
+from parity.record import OpTracer, trace_ops  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -142,6 +142,10 @@ def test_ulp_distance():
          "not an op record ('i' and 'n' must be integers)"),
         ('{"event": "end", "step": "1"}', "bad end record ('step' must be an integer)"),
         ("[" * 5000 + "]" * 5000, "not valid JSON: nested too deeply"),
+        ('{"i": 0, "phase": "f", "module": "", "op": "o", "n": 0, "out": [], "in": [], '
+         '"shapes": [[1.5]]}', "not an op record ('shapes' must be a list of lists of integers)"),
+        ('{"i": 0, "phase": "f", "module": "", "op": "o", "n": 0, "out": [], "in": [], '
+         '"later": [1]}', "not an op record ('later' must be a list of strings or nulls)"),
     ],
 )  # fmt: skip
 def test_read_ops_names_the_line_it_cannot_use(tmp_path, line, why):
@@ -153,6 +157,135 @@ def test_read_ops_names_the_line_it_cannot_use(tmp_path, line, why):
     with pytest.raises(OpTraceError) as e:
         read_ops(path)
     assert str(e.value) == f"{path}:2: {why}"
+
+
+# --- two implementations of one step: scopes, values undone, ops only one side runs ----------
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        torch.manual_seed(2)
+        self.inp, self.out, self.scale = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1), scale
+
+    def forward(self, x):
+        return self.out(torch.relu(self.inp(x)) * self.scale)
+
+
+def test_a_step_of_two_models_is_one_trace_each_model_in_its_scope(tmp_path):
+    """An RL step's calls (the critic's, then the actor's) traced inside `within`, written once:
+    modules carry the scope, and the first differing op is named in the model that differs."""
+    for side, actor_scale in (("a", 1.0), ("b", 1.0000001)):
+        critic, actor = Mlp(), Mlp(actor_scale)
+        tracer = OpTracer()
+        x = torch.ones(3, 4)
+        with tracer.within("critic", critic):
+            critic(x).sum().backward()
+        with tracer.within("actor", actor):
+            actor(x).sum().backward()
+        tracer.write(tmp_path / side, 1, rank=0)
+    records = [json.loads(line) for line in
+               (tmp_path / "a" / "ops" / "rank0.jsonl").read_text().splitlines()[:-1]]  # fmt: skip
+    modules = {r["module"] for r in records}
+    assert {"critic:inp", "actor:inp", "critic:", "actor:"} <= modules, modules
+    assert all(m.split(":")[0] in ("critic", "actor") for m in modules), modules
+    assert records[0]["module"].startswith("critic:") and records[-1]["module"].startswith("actor")
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert (d.first["module"], d.first["op"], d.origin) == (
+        "actor:", "aten.mul.Tensor", "scalar argument"), d.line()  # fmt: skip
+
+
+def _loss_step(out, *, factor: int, lr: float = 0.1) -> None:
+    """One step whose loss is scaled by `factor` and divided by 64 * factor (powers of two: the
+    same loss either way, as verl's legacy and engine actors' token means), then SGD at `lr`."""
+    model = Mlp()
+    with trace_ops(out, 1, model, rank=0):
+        loss = model(torch.ones(3, 4)).pow(2).sum() * factor / (64 * factor)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-lr)
+
+
+def test_a_difference_undone_later_is_not_the_first(tmp_path):
+    _loss_step(tmp_path / "a", factor=1)
+    _loss_step(tmp_path / "b", factor=2)
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert d.status == "structural" and d.first is None, d.line()
+    # the loss's own mul (the model's root-level mul by its scale is #0)
+    assert d.undone_count >= 1 and d.undone[0]["where"] == "step (top level) aten.mul.Tensor #1"
+    assert d.line().startswith("no difference lasts at step 1 (rank 0)"), d.line()
+    # a difference that lasts after it (the learning rate) is the first
+    _loss_step(tmp_path / "c", factor=2, lr=0.125)
+    d = compare_ops(tmp_path / "a", tmp_path / "c")
+    assert (d.first["phase"], d.first["module"], d.origin) == (
+        "step", "inp.weight", "scalar argument"), d.line()  # fmt: skip
+    assert "earlier ops differ without lasting (undone later)" in d.line()
+
+
+def _norms(out, dim: int) -> None:
+    """A gradient's per-shard norms, the shards cut along `dim` (FSDP's Shard(0) or Shard(1))."""
+    grad = torch.arange(24.0).reshape(6, 4)
+    with trace_ops(out, 1, rank=0):
+        shards = [s.contiguous() for s in grad.chunk(2, dim=dim)]  # views, then copies
+        torch.stack(torch._foreach_norm(shards))
+
+
+def test_a_difference_from_another_shard_layout_names_the_op_only_one_side_runs(tmp_path):
+    """The norms of shards cut on other dimensions differ: the stack of them is the first op to
+    differ, and what it takes comes from the op that only one side runs (the cut into shards of
+    another shape): never the foreach norm of other tensors under the same name."""
+    _norms(tmp_path / "a", 0)
+    _norms(tmp_path / "b", 1)
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert (d.first["op"], d.origin) == ("aten.stack.default", "structural"), d.line()
+    source = d.first["source"]
+    assert source["side"] == "a" and source["shapes"] == [[3, 4], [3, 4]], source
+    assert "from an op only a runs: step (top level) aten.split.Tensor #0" in d.line(), d.line()
+    assert "making [3, 4], [3, 4] at tests/record/test_optrace.py:" in d.line(), d.line()
+
+
+def test_a_view_s_value_is_linked_to_the_op_that_takes_it(tmp_path):
+    """An output recorded without a hash (a view) learns what the first op taking it saw."""
+    w = torch.ones(3, 2)
+    with trace_ops(tmp_path, 1, rank=0):
+        torch.mm(w.t(), w)
+    view, mm = [json.loads(line) for line in
+                (tmp_path / "ops" / "rank0.jsonl").read_text().splitlines()[:2]]  # fmt: skip
+    assert view["op"] == "aten.t.default" and view["out"] == [None], view
+    assert view["later"] == [mm["in"][0]] and mm["shapes"] == [[2, 2]], (view, mm)
+
+
+def test_sparse_tensors_are_traced_not_a_crash_of_the_step(tmp_path):
+    """A sparse tensor has no strided memory to hash or point at: its values are hashed as the
+    dense tensor holds them, and the traced step runs as it would untraced."""
+    indices, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
+    with trace_ops(tmp_path, 1, rank=0):
+        sparse = torch.sparse_coo_tensor(indices, values, (2, 2))
+        (sparse * 3).coalesce().to_dense()
+    records = (tmp_path / "ops" / "rank0.jsonl").read_text().splitlines()
+    assert json.loads(records[-1])["event"] == "end" and len(records) > 3
+
+
+def test_a_collective_s_result_is_linked_past_its_wait(tmp_path):
+    """A functional all-reduce's result reaches the trace after its wait: the collective's
+    record holds it (``later``), what the diagnosis follows to see whether a difference lasts."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with trace_ops(tmp_path, 1, rank=0):
+            reduced = funcol.all_reduce(torch.full((3,), 2.0), "sum", dist.group.WORLD)
+            reduced * 3
+    finally:
+        dist.destroy_process_group()
+    records = [json.loads(line) for line in
+               (tmp_path / "ops" / "rank0.jsonl").read_text().splitlines()[:-1]]  # fmt: skip
+    (collective,) = [r for r in records if r["op"] == "_c10d_functional.all_reduce.default"]
+    (mul,) = [r for r in records if r["op"] == "aten.mul.Tensor"]
+    assert collective["out"] == [None] and collective["later"] == [mul["in"][0]], records
 
 
 # --- multi-rank: worker vs worker + mutant, both traced at step 1 (the first divergent step) ----

@@ -28,9 +28,15 @@ Without a run (``subjects.verl.rl_probe``, verl's own functions): with
 row, whatever the sequence's length (the bug the first version of this pair found), and the
 engine critic never takes that branch: ``critic.model.use_remove_padding`` does not reach it.
 
+Both sides trace every op of step 1 on every rank (``--trace-step 1``): the diagnosis sets aside
+the differences the two implementations undo (the loss's normalizer, the dp factor, the critic's
+shard norms) and, with ATen's AVX512 kernels, names the first that lasts: the actor's grad-norm
+stack, fed by the embedding's dimension-1 shard only legacy makes.
+
 A migration pitfall caught (one legacy run against the pair's engine side): a recipe keeping
 verl's critic default ``critic.model.use_remove_padding=False`` runs the legacy critic padded and
-the engine critic packed; the comparison diverges at the critic's numbers, not at the samples.
+the engine critic packed; the comparison diverges at the critic's numbers, not at the samples,
+and the op traces name an op of the critic.
 
 Data or numbers (one engine run against the pair's legacy side, both recording the rollout's
 data digests): fed step 1's prompts again at step 2, the run diverges from step 2 and the
@@ -197,6 +203,49 @@ def test_actor_grad_norm_within_one_ulp_from_sharding(pair):
     assert torch.equal(a["norm"], b["norm"]) == (ulps[0] == 0)
 
 
+#: What the two sides' op traces of step 1 (--trace-step 1, every rank) show, by ATen's kernels:
+#: the first op whose difference lasts (None: none lasts). With AVX512 it is the actor's
+#: grad-norm stack of per-parameter shard norms; with AVX2 the all-reduced sums agree again.
+FIRST_LASTING_OP = {"AVX512": "aten.stack.default", "AVX2": None}
+
+
+@pytest.mark.parity
+def test_op_traces_name_where_the_grad_norm_parts(pair):
+    """The diagnosis's op-level answer, from both sides' traces of step 1 (rank 0):
+
+    - undone, on every host: the loss's normalizer (legacy divides by its 64 local tokens, the
+      engine by the 128 global ones), the engine's backward factor of 2 (the dp size), and the
+      critic's per-parameter shard norms (their all-reduced sums agree): differences that do not
+      last, set aside, never named first;
+    - with AVX512 the first lasting one: the actor's stack of per-parameter norms in verl's
+      fsdp2_clip_grad_norm_, whose inputs come from an op only legacy runs: the [101, 32] view
+      of the embedding's gradient shard (its dimension-1 shard; the engine's is 51 rows)."""
+    import torch
+
+    from parity.judge.opdiff import compare_ops
+
+    d = compare_ops(pair["out"] / "a", pair["out"] / "b")
+    assert d.step == 1 and d.rank == 0, d.line()
+    undone = {u["where"] for u in d.undone}
+    assert {"step critic: aten.stack.default #0", "backward actor: aten.mul.Tensor #1"} <= undone
+    assert any(u.startswith("step actor: aten.div.Tensor") for u in undone), undone
+    if torch.backends.cpu.get_cpu_capability() not in FIRST_LASTING_OP:
+        return
+    expected = FIRST_LASTING_OP[torch.backends.cpu.get_cpu_capability()]
+    if expected is None:
+        assert d.status == "structural" and d.first is None, d.line()
+        assert d.line().startswith("no difference lasts at step 1 (rank 0)"), d.line()
+        return
+    first = d.first
+    assert (d.status, first["op"], first["module"], d.origin) == (
+        "differ", expected, "actor:", "structural"), d.line()  # fmt: skip
+    assert first["src"].startswith("verl/utils/fsdp_utils.py:"), d.line()
+    source = first["source"]
+    assert (source["side"], source["shapes"]) == ("a", [[101, 32]]), source
+    assert "aten.as_strided.default" in source["where"], source
+    assert source["src"].startswith("verl/workers/actor/dp_actor.py:"), source
+
+
 @pytest.fixture(scope="module")
 def probe(pair) -> dict:
     """subjects.verl.rl_probe's facts, with the pair's tiny model."""
@@ -255,7 +304,8 @@ def one_sides(pair, tmp_path_factory) -> dict:
     runs = {
         # the pitfall: the legacy side keeping verl's critic default (use_remove_padding=False),
         # against the pair's engine side (which ignores the key) under the spec's policies
-        "mutant": ("legacy", "verl-ppo-mutant", "a", ["--critic-remove-padding", "False"], "b"),
+        "mutant": ("legacy", "verl-ppo-mutant", "a",
+                   ["--critic-remove-padding", "False", "--trace-step", "1"], "b"),
         # the plant: the engine side fed step 1's prompts again at step 2, against the pair's
         # legacy side, both with the rollout's data digests
         "planted": ("engine", "verl-ppo-planted", "b", ["--record", "--plant", "repeat-batch@2"],
@@ -289,6 +339,11 @@ def test_mutant_critic_padding_diverges_at_the_critic_only(mutant):
     assert min(metrics[name]["first_divergent_step"] for name in failing) == 1
     for name in SAME_SAMPLES + ("actor/entropy",):
         assert metrics[name]["exact_matches"] == 2, (name, metrics[name])
+    # the op traces of step 1 name an op of the critic, carrying a layout only legacy makes
+    # (the padded batch: its forward's ops differ in shape from the packed one's)
+    ops = mutant["result"]["diagnosis"]["ops"]
+    assert ops["status"] == "differ" and ops["first"]["module"].startswith("critic:"), ops["line"]
+    assert ops["origin"] == "structural" and ops["first"]["source"]["side"] == "a", ops["line"]
     assert mutant["left"] == []
 
 
