@@ -324,14 +324,18 @@ class Stored:
 
     def base_side(self, side: SideRun) -> SideRun:
         """The base's side: its run taken from the store where one is stored (and not fresh),
-        else ``side`` as it is."""
-        if self.store is None or self.fresh:
+        else run, and stored as soon as it finished whole (a head that then fails costs the
+        next check only the head)."""
+        if self.store is None:
             return side
 
         def run(spec: JobSpec, out: Path, label: str | None = None, **_: Any) -> Run:
-            self.reused = self.store.get(self.keys["base"], Path(out))
+            if not self.fresh:
+                self.reused = self.store.get(self.keys["base"], Path(out))
             if self.reused is None:
-                return side.runner()(spec, out, label=label, allow_teardown_failure=True)
+                ran = side.runner()(spec, out, label=label, allow_teardown_failure=True)
+                self._put("base", ran)
+                return ran
             print(f"parity: base: {self.reused.line()} (--fresh: run it again)",
                   file=sys.stderr, flush=True)  # fmt: skip
             return self._run_of(spec, Path(out))
@@ -402,18 +406,21 @@ class Stored:
         return prefix.first_divergence() is None
 
     def keep(self, result: PairResult) -> None:
-        """Each side that ran here and finished whole, put in the store under its key."""
-        if self.store is None:
-            return
+        """Each side that ran here and finished whole, put in the store under its key (the
+        base once: `base_side` stored it as it finished)."""
         for side, run in (("base", result.a), ("head", result.b)):
-            if side == "base" and run.dir.name == "base" and self.reused is not None:
-                continue  # the stored run itself
-            if not run.launch.ok or skipped_count(run.metrics):
-                continue
-            meta = {"rev": self.revs[side], "commit": self.commits[side],
-                    "seconds": run.launch.duration_s}  # fmt: skip
-            with contextlib.suppress(OSError):  # a full disk costs the next check a run
-                self.store.put(self.keys[side], run.dir, meta)
+            if side == "base" and run.dir.name == "base":
+                continue  # the stored run itself, or stored as it finished
+            self._put(side, run)
+
+    def _put(self, side: str, run: Run) -> None:
+        """``run`` in the store under ``side``'s key, where it finished whole."""
+        if self.store is None or not run.launch.ok or skipped_count(run.metrics):
+            return
+        meta = {"rev": self.revs[side], "commit": self.commits[side],
+                "seconds": run.launch.duration_s}  # fmt: skip
+        with contextlib.suppress(OSError):  # a full disk costs the next check a run
+            self.store.put(self.keys[side], run.dir, meta)
 
     def label(self, label: str) -> str:
         """The base's label in the report: reused, or run again."""

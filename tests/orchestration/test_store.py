@@ -238,6 +238,43 @@ def test_a_second_check_of_the_same_base_runs_only_the_head_unless_they_disagree
     assert code == 0 and launches.runs[5:] == ["base", "head"] and "reused" not in fresh["base"]
 
 
+def _commit_beside(repo: Path, parent: str, files: dict[str, str], message: str) -> str:
+    """A commit of ``parent``'s tree with ``files`` in it, on no branch: the working tree, the
+    index and HEAD stay as they are (the history's user is mid-bisection)."""
+    env = {**os.environ, "GIT_INDEX_FILE": str(repo.parent / f"{repo.name}.index")}
+
+    def git(*args: str, stdin: str | None = None) -> str:
+        user = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+        done = subprocess.run(["git", "-C", str(repo), *user, *args], input=stdin, env=env,
+                              check=True, capture_output=True, text=True)  # fmt: skip
+        return done.stdout.strip()
+
+    git("read-tree", parent)
+    for name, text in files.items():
+        blob = git("hash-object", "-w", "--stdin", stdin=text)
+        git("update-index", "--add", "--cacheinfo", f"100644,{blob},{name}")
+    return git("commit-tree", git("write-tree"), "-p", parent, "-m", message)
+
+
+@pytest.mark.parity
+def test_a_base_that_finished_is_stored_even_where_the_head_then_fails(
+    history, tmp_path, launches, capsys
+):
+    """The head fails (its job exits 3): the check fails, and the base that ran and finished is
+    in the store all the same, so the next check of that base runs only its head."""
+    crash = _commit_beside(history, commit_of(history, 2), {"job.py": "raise SystemExit(3)\n"},
+                           "a head whose job fails")  # fmt: skip
+    store = tmp_path / "store"
+    args = ["check", "--base", commit_of(history, 1), "--head", crash, "--no-trace",
+            "--spec", str(history / "spec.toml"), "--out", str(tmp_path / "one"),
+            "--store", str(store)]  # fmt: skip
+    assert main(args) == 3 and launches.runs == ["base", "head"]
+    capsys.readouterr()
+    code, second, _ = _check(history, tmp_path / "two", store, capsys)
+    assert code == 0 and launches.runs[2:] == ["head"], launches.runs
+    assert second["base"]["reused"]["line"].startswith(f"reused run of {commit_of(history, 1)}")
+
+
 def _stored_metrics(store: Path, commit: str) -> Path:
     """The metrics file of ``commit``'s run in the store."""
     for key in os.listdir(store / "runs"):
