@@ -383,9 +383,26 @@ def parity_golden(request: pytest.FixtureRequest) -> GoldenChecker:
     return GoldenChecker(golden_dir, config.getoption("--parity-update-golden"))
 
 
+#: the user property a mutant test's ``parity_mutant_score`` call leaves on its report: a
+#: report is what reaches the session's own process under pytest-xdist, a plugin's state is not
+MUTANT_PROPERTY = "parity_mutant"
+
+
+def mutants_caught(reports) -> dict[str, bool]:
+    """Each mutant the reports name: whether every test of it caught it."""
+    caught: dict[str, bool] = {}
+    for report in reports:
+        for key, value in getattr(report, "user_properties", ()):
+            if key == MUTANT_PROPERTY:
+                name, ok = value
+                caught[name] = caught.get(name, True) and bool(ok)
+    return caught
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Print the mutation score: every mutant test reports whether its check caught it."""
-    caught = getattr(config, "_parity_mutants", None)
+    reports = [r for kind in terminalreporter.stats.values() for r in kind]
+    caught = mutants_caught(reports)
     if not caught:
         return
     n = sum(caught.values())
@@ -399,10 +416,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 @pytest.fixture
 def parity_mutant_score(request: pytest.FixtureRequest):
-    """Call with (name, caught) from a mutant test; the session prints the mutation score."""
-    store = request.config.__dict__.setdefault("_parity_mutants", {})
+    """Call with (name, caught) from a mutant test; the session prints the mutation score (also
+    under pytest-xdist: the result travels on the test's report)."""
 
     def record(name: str, caught: bool) -> None:
-        store[name] = store.get(name, True) and caught
+        request.node.user_properties.append((MUTANT_PROPERTY, (name, bool(caught))))
 
     return record

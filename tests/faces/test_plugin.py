@@ -52,6 +52,27 @@ def test_marker_selects_parity_tests(pytester):
     assert "--parity-keep-runs" in "".join(pytester.runpytest("--help").outlines)
 
 
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_the_mutation_score_is_printed_with_and_without_xdist(pytester, workers):
+    """Each mutant test's result travels on its report, so the session prints the score where
+    the tests ran in other processes too (CI's pytest-xdist workers)."""
+    pytester.makepyfile(
+        """
+        def test_caught(parity_mutant_score):
+            parity_mutant_score("dropped-factor", True)
+
+        def test_missed(parity_mutant_score):
+            parity_mutant_score("shifted-mask", False)
+
+        def test_caught_twice(parity_mutant_score):
+            parity_mutant_score("dropped-factor", True)
+        """
+    )
+    result = pytester.runpytest_subprocess(*workers)
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*mutation score: 1/2 caught (50%); NOT caught: shifted-mask*"])
+
+
 def test_an_option_path_that_would_become_the_rootdir_is_refused(pytester, tmp_path_factory):
     """pytest#8846: `--parity-keep-runs DIR` with DIR existing outside the project hid the
     project's ini file (seen: the golden tests then failed); the plugin refuses it in one line."""
