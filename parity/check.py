@@ -208,11 +208,15 @@ def tree_runner(
         if launch.stopped_early and early is not None:
             return stopped_run(spec, out, launch, early)
         out = Path(out).resolve()
-        frame = read_metrics(out, options["format"], run=options["run"],
-                             duplicates=options["duplicates"])  # fmt: skip
-        return Run(spec, out, launch, frame)
+        return Run(spec, out, launch, _read_run(out, options))
 
     return run
+
+
+def _read_run(out: Path, options: Mapping[str, Any]):
+    """A run folder's metrics as a check reads its runs (the spec's [read], checked)."""
+    return read_metrics(out, options["format"], run=options["run"],
+                        duplicates=options["duplicates"])  # fmt: skip
 
 
 def check_revisions(
@@ -346,9 +350,7 @@ class Stored:
         """The reused run as a side's run: its metrics read as the check reads its runs."""
         out = out.resolve()
         launch = LaunchResult(0, False, 0.0, out, started_as="run reused from the run store")
-        frame = read_metrics(out, self.read["format"], run=self.read["run"],
-                             duplicates=self.read["duplicates"])  # fmt: skip
-        return Run(spec, out, launch, frame)
+        return Run(spec, out, launch, _read_run(out, self.read))
 
     def disagrees(self, result: PairResult) -> bool:
         """Whether the reused base must run again: the pair is not aligned, or the runs'
