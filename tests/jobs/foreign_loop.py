@@ -77,13 +77,16 @@ def main() -> None:
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
+    # everything is written: end here, before this function's locals are freed. Freeing `ddp`
+    # frees the gloo group its reducer holds, and under torch 2.4.1 that destructor joins a gloo
+    # thread waiting for the GIL it holds (seen in CI: rank 1 hung for good in
+    # ~ProcessGroupGloo, called from ~Reducer); elsewhere gloo's threads can abort the teardown
+    # ("terminate called without an active exception", SIGABRT, about one 2-rank run in three).
+    # worker/entry.py skips the teardown the same way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # gloo's threads can abort the interpreter's teardown ("terminate called without an active
-    # exception", SIGABRT, about one 2-rank run in three): everything is written, so skip the
-    # teardown, as worker/entry.py does
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
