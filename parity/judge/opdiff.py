@@ -427,6 +427,7 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
         for r in recs:
             groups.setdefault((r["phase"], r["module"]), ([], []))[side].append(r)
     pairs, only = [], []
+    carried = []  # the step's own ops aligned by name whose tensor inputs differ
     for ga, gb in groups.values():
         sm = difflib.SequenceMatcher(None, [r["op"] for r in ga], [r["op"] for r in gb], False)
         for tag, i1, i2, j1, j2 in sm.get_opcodes():
@@ -436,15 +437,23 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
                         pairs.append((x, y))
                     elif x.get("shapes") != y.get("shapes"):  # other computations
                         only += [("a", x), ("b", y)]
+                    else:
+                        carried.append((x, y))
             else:
                 only += [("a", r) for r in ga[i1:i2]] + [("b", r) for r in gb[j1:j2]]
     pairs.sort(key=lambda p: p[0]["i"])
+    carried.sort(key=lambda p: p[0]["i"])
     out.ops_compared = len(pairs)
-    first = None
     flow_a, flow_b = _Flow(ra, _held(rb)), _Flow(rb, _held(ra))
-    for x, y in pairs:
-        for j, (hx, hy) in enumerate(zip(x["out"], y["out"], strict=False)):
-            if hx is not None and hy is not None and hx != hy:
+
+    def first_lasting(candidates: list[tuple[dict, dict]]) -> tuple[dict, dict, int] | None:
+        """The first pair whose outputs differ and the difference lasts; the others counted."""
+        for x, y in candidates:
+            if len(x["out"]) != len(y["out"]):
+                return x, y, 0
+            for j, (hx, hy) in enumerate(zip(x["out"], y["out"], strict=True)):
+                if hx is None or hy is None or hx == hy:
+                    continue
                 scalars = [
                     (u, v)
                     for u, v in zip(x["in"], y["in"], strict=False)
@@ -453,16 +462,16 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
                 kept = (
                     hx not in flow_a.other and flow_a.lasting(x, j, {u for u, _ in scalars})
                 ) or (hy not in flow_b.other and flow_b.lasting(y, j, {v for _, v in scalars}))
-                if not kept:  # undone later, or each value is the other's elsewhere
-                    out.undone_count += 1
-                    if len(out.undone) < MAX_STRUCTURAL:
-                        out.undone.append({"where": where(x), "a_index": x["i"], "b_index": y["i"]})
-                    continue
-                first = (x, y, j)
-                break
-        if first or len(x["out"]) != len(y["out"]):
-            first = first or (x, y, 0)
-            break
+                if kept:
+                    return x, y, j
+                out.undone_count += 1  # undone later, or each value is the other's elsewhere
+                if len(out.undone) < MAX_STRUCTURAL:
+                    out.undone.append({"where": where(x), "a_index": x["i"], "b_index": y["i"]})
+        return None
+
+    # the step's own ops on other tensors only where nothing else differs: a loop with no
+    # module (its data differs from the start), never before a difference the model shows
+    first = first_lasting(pairs) or first_lasting(carried)
     # structural ops in stream order (each side's own index)
     only.sort(key=lambda s: s[1]["i"])
     out.structural_count = len(only)

@@ -223,6 +223,20 @@ def test_a_difference_undone_later_is_not_the_first(tmp_path):
     assert "earlier ops differ without lasting (undone later)" in d.line()
 
 
+def test_a_loop_with_no_module_on_other_data_is_named_at_its_first_op(tmp_path):
+    """The step's own ops on other tensors are compared where nothing else differs: a loop with
+    no module fed other data differs at its first op, its inputs already different, and is
+    never called identical."""
+    for side, seed in (("a", 0), ("b", 1)):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        w = torch.ones(3, 2, requires_grad=True)
+        with trace_ops(tmp_path / side, 1, rank=0):
+            (x @ w).pow(2).sum().backward()
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert (d.status, d.first["op"], d.origin) == ("differ", "aten.mm.default", "inputs"), d.line()
+    assert "its inputs already differ: weights, data or code outside the trace" in d.line()
+
+
 def _norms(out, dim: int) -> None:
     """A gradient's per-shard norms, the shards cut along `dim` (FSDP's Shard(0) or Shard(1))."""
     grad = torch.arange(24.0).reshape(6, 4)
