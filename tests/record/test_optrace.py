@@ -275,7 +275,7 @@ def test_sparse_tensors_are_traced_not_a_crash_of_the_step(tmp_path):
     dense tensor holds them, and the traced step runs as it would untraced."""
     indices, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
     with trace_ops(tmp_path, 1, rank=0):
-        sparse = torch.sparse_coo_tensor(indices, values, (2, 2))
+        sparse = torch.sparse_coo_tensor(indices, values, (2, 2), check_invariants=True)
         (sparse * 3).coalesce().to_dense()
     records = (tmp_path / "ops" / "rank0.jsonl").read_text().splitlines()
     assert json.loads(records[-1])["event"] == "end" and len(records) > 3
