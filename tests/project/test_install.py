@@ -33,12 +33,10 @@ pip here runs with this machine's pip configuration; an index it cannot reach sk
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +48,7 @@ from pathlib import Path
 
 import pytest
 
+from parity.run.proc_scan import kill_carrying
 from subjects.envs import (
     TORCH_BASE,
     EnvBuildError,
@@ -119,26 +118,11 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
-def _marked(token: str) -> list[int]:
-    """Processes started with ``PARITY_TEST_RUN=token`` in their environment: a command's, and
-    a torchrun's ranks that outlived it (torch 2.4.1 starts each in a session of its own)."""
-    mark = f"PARITY_TEST_RUN={token}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if mark in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def _run(cmd: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """``cmd`` in a session of its own, its output into files (a rank that outlives it keeps
-    no pipe of ours open): past ``timeout`` every process it started is killed (its session,
-    and a torchrun's ranks in sessions of their own, found by a mark in their environment),
-    then TimeoutExpired with what it printed."""
+    no pipe of ours open): past ``timeout`` every process it started is killed, found by a mark
+    in its environment as the harness finds a launch's (parity.run.proc_scan; a torchrun's ranks
+    in sessions of their own included), then TimeoutExpired with what it printed."""
     token = uuid.uuid4().hex
     timed_out = False
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -149,11 +133,7 @@ def _run(cmd: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProc
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            for pid in _marked(token):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            proc.wait()
+            kill_carrying("PARITY_TEST_RUN", token, proc)
         printed = []
         for f in (out, err):
             f.seek(0)
