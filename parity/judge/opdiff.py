@@ -290,22 +290,12 @@ def _keys(rec: dict[str, Any], j: int) -> set[str]:
     return keys
 
 
-def _held(records: list[dict[str, Any]]) -> set[str]:
-    """Every value a trace holds: outputs and inputs, by hash and as dtype=value."""
-    out: set[str] = set()
-    for r in records:
-        out.update(h for h in r["out"] if h)
-        out.update(v for v in r.get("scalars") or () if v)
-        out.update(x for x in r["in"] if _TENSOR.match(x) or _ONE_ELEMENT.match(x))
-    return out
-
-
 class _Flow:
     """One side's trace as values flowing from op to op (inputs and outputs matched by hash,
-    one-element tensors by dtype=value), against what the other side holds."""
+    one-element tensors by dtype=value), against what the other side holds (`both`)."""
 
-    def __init__(self, records: list[dict[str, Any]], other: set[str]):
-        self.records, self.other = records, other
+    def __init__(self, records: list[dict[str, Any]]):
+        self.records = records
         self.position = {id(r): k for k, r in enumerate(records)}
         self.takers: dict[str, list[int]] = {}
         self.makers: dict[str, list[int]] = {}
@@ -315,6 +305,18 @@ class _Flow:
             for j in range(len(r["out"])):
                 for key in _keys(r, j):
                     self.makers.setdefault(key, []).append(k)
+        # every value this side holds: what its ops made and the tensors they took
+        self.held = set(self.makers) | {
+            x for x in self.takers if _TENSOR.match(x) or _ONE_ELEMENT.match(x)
+        }
+        self.other: set[str] = set()  # what the other side holds
+
+    @staticmethod
+    def both(ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> tuple[_Flow, _Flow]:
+        """A's and B's flows, each against what the other holds."""
+        a, b = _Flow(ra), _Flow(rb)
+        a.other, b.other = b.held, a.held
+        return a, b
 
     def made(self, key: str, before: int) -> int | None:
         """The position of the last op before `before` that made the value `key`."""
@@ -322,22 +324,24 @@ class _Flow:
         return found[-1] if found else None
 
     def source(self, rec: dict[str, Any], keys: set[str], only: set[int], limit: int = 5000):
-        """The nearest op only this side runs (positions `only`) that the values `keys` taken
+        """The latest op only this side runs (positions `only`) that the values `keys` taken
         by `rec` come from, following back the ops that made them through values the other side
-        does not hold; None when they come from outside the trace."""
-        todo, seen = [(self.position[id(rec)], keys)], set()
+        does not hold, the latest first (the same answer on every run, whatever the order of a
+        set); None when they come from outside the trace."""
+        at = self.position[id(rec)]
+        todo = {k for key in keys if (k := self.made(key, at)) is not None}
+        seen: set[int] = set()
         while todo and len(seen) < limit:
-            at, wanted = todo.pop(0)
-            for key in wanted:
-                k = self.made(key, at)
-                if k is None or k in seen:
-                    continue
-                if k in only:
-                    return self.records[k]
-                seen.add(k)
-                inputs = {x for x in self.records[k]["in"] if _TENSOR.match(x) or
-                          _ONE_ELEMENT.match(x)}  # fmt: skip
-                todo.append((k, inputs - self.other))
+            k = max(todo)
+            todo.discard(k)
+            if k in only:
+                return self.records[k]
+            seen.add(k)
+            for x in self.records[k]["in"]:
+                if (_TENSOR.match(x) or _ONE_ELEMENT.match(x)) and x not in self.other:
+                    maker = self.made(x, k)
+                    if maker is not None and maker not in seen:
+                        todo.add(maker)
         return None
 
     def lasting(self, rec: dict[str, Any], j: int, scalars: set[str] = frozenset(),
@@ -444,7 +448,7 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
     pairs.sort(key=lambda p: p[0]["i"])
     carried.sort(key=lambda p: p[0]["i"])
     out.ops_compared = len(pairs)
-    flow_a, flow_b = _Flow(ra, _held(rb)), _Flow(rb, _held(ra))
+    flow_a, flow_b = _Flow.both(ra, rb)
 
     def first_lasting(candidates: list[tuple[dict, dict]]) -> tuple[dict, dict, int] | None:
         """The first pair whose outputs differ and the difference lasts; the others counted."""
