@@ -182,13 +182,17 @@ class OpDiff:
     rank: int | None = None
     ops_compared: int = 0
     first: dict[str, Any] | None = None  # the first matched op whose output differs
-    origin: Literal["born here", "scalar argument", "structural", "inputs", None] = None
+    origin: Literal["born here", "scalar argument", "structural", "collective", "inputs", None] = (
+        None
+    )
     structural: list[dict[str, Any]] = field(default_factory=list)  # first MAX_STRUCTURAL
     structural_count: int = 0
     # ops whose outputs differ where the difference does not last (every op taking it makes
     # values the other side holds) or each value is the other side's elsewhere: not the first
     undone: list[dict[str, Any]] = field(default_factory=list)  # first MAX_STRUCTURAL
     undone_count: int = 0
+    # ranks whose first difference came through a collective from another rank (rank order)
+    through_collective: list[int] = field(default_factory=list)
     cost: dict[str, dict[str, Any]] = field(default_factory=dict)  # side -> trace time, size
     detail: str = ""
     errors: list[str] = field(default_factory=list)  # a values file that could not be read
@@ -209,6 +213,11 @@ class OpDiff:
                 f"; {self.undone_count} earlier ops differ without lasting (undone later), "
                 f"first {self.undone[0]['where']}"
             )
+        others = [r for r in self.through_collective if r != self.rank]
+        if others:
+            ranks = f"rank {others[0]} differs" if len(others) == 1 else (
+                f"ranks {', '.join(map(str, others))} differ")  # fmt: skip
+            extra += f"; {ranks} only through a collective"
         if self.status == "same":
             return f"every op of {at} identical ({self.ops_compared} ops compared){extra}"
         if self.status == "structural" and self.undone_count:
@@ -221,20 +230,32 @@ class OpDiff:
         src = f" at {f['src']}" if f.get("src") else ""
         text = f"first differing op at {at}: {f['where']}{src} ({ulp}"
         if self.origin == "born here":
-            text += "; inputs equal: the difference is born here)"
-        elif self.origin == "scalar argument":
-            text += f"; only a scalar input differs: {f['scalar']})"
+            return text + "; inputs equal: the difference is born here)" + extra
+        if self.origin == "scalar argument":
+            return text + f"; only a scalar input differs: {f['scalar']})" + extra
+        differ = (
+            f"; its inputs differ ({f['scalar']})" if f.get("scalar") else "; its inputs differ"
+        )
+        source, via = f.get("source"), f.get("via")
+        if source:
+            made = f" making {_shapes(source['shapes'])}" if source.get("shapes") else ""
+            at = f" at {source['src']}" if source.get("src") else ""
+            text += f"{differ}, from an op only {source['side']} runs: {source['where']}"
+            text += f"{made}{at})"
         elif self.origin == "structural":
-            source = f.get("source")
-            differ = f"; its inputs differ ({f['scalar']})" if f.get("scalar") else (
-                "; its inputs differ")  # fmt: skip
-            if source:
-                made = f" making {_shapes(source['shapes'])}" if source.get("shapes") else ""
-                at = f" at {source['src']}" if source.get("src") else ""
-                text += f"{differ}, from an op only {source['side']} runs: {source['where']}"
-                text += f"{made}{at})"
-            else:
-                text += f"{differ}, after ops only one side runs: the difference comes from those)"
+            text += f"{differ}, after ops only one side runs: the difference comes from those)"
+        elif self.origin == "collective":
+            at = f" at {via['src']}" if via.get("src") else ""
+            text += f"{differ} as the collective {via['where']}{at} returned them: "
+            text += (
+                "another rank sent other values)"
+                if self.rank not in self.through_collective
+                else "no traced rank's own ops differ before it, so the collective itself does "
+                "(its reduction order or algorithm), or a rank not traced)"
+            )
+        elif via:
+            at = f" at {via['src']}" if via.get("src") else ""
+            text += f"{differ}, made by {via['where']}{at}, an op the comparison did not pair)"
         else:
             text += "; its inputs already differ: weights, data or code outside the trace)"
         return text + extra
@@ -323,18 +344,29 @@ class _Flow:
         found = [k for k in self.makers.get(key, ()) if k < before]
         return found[-1] if found else None
 
-    def source(self, rec: dict[str, Any], keys: set[str], only: set[int], limit: int = 5000):
+    def source(self, rec: dict[str, Any], keys: set[str], only: set[int]):
         """The latest op only this side runs (positions `only`) that the values `keys` taken
-        by `rec` come from, following back the ops that made them through values the other side
+        by `rec` come from; None when they come from outside the trace."""
+        return self.back(rec, keys, only.__contains__)
+
+    def collective(self, rec: dict[str, Any], keys: set[str]):
+        """The latest collective that the values `keys` taken by `rec` come from: what another
+        rank sent; None when none is on their path."""
+        return self.back(rec, keys, lambda k: self.records[k]["op"].split(".")[0]
+                         in COLLECTIVE_NAMESPACES)  # fmt: skip
+
+    def back(self, rec: dict[str, Any], keys: set[str], wanted, limit: int = 5000):
+        """The latest op at a position `wanted` holds for that the values `keys` taken by
+        `rec` come from, following back the ops that made them through values the other side
         does not hold, the latest first (the same answer on every run, whatever the order of a
-        set); None when they come from outside the trace."""
+        set); None when no such op is on their path."""
         at = self.position[id(rec)]
         todo = {k for key in keys if (k := self.made(key, at)) is not None}
         seen: set[int] = set()
         while todo and len(seen) < limit:
             k = max(todo)
             todo.discard(k)
-            if k in only:
+            if wanted(k):
                 return self.records[k]
             seen.add(k)
             for x in self.records[k]["in"]:
@@ -531,19 +563,38 @@ def _compare_rank(pa: Path, pb: Path, out: OpDiff) -> bool:
         out.origin = "scalar argument"
     else:
         out.origin = "structural" if before else "inputs"
-        for side, flow, rec, keys in (
-            ("a", flow_a, x, {u for u, _ in differing}),
-            ("b", flow_b, y, {v for _, v in differing}),
-        ):
-            positions = {flow.position[id(r)] for s, r in only if s == side}
-            source = flow.source(rec, keys, positions)
-            if source is not None:
-                out.first["source"] = {"side": side, "where": where(source),
-                                       "src": source.get("src"),
-                                       "shapes": source.get("shapes")}  # fmt: skip
-                break
+        _trace_back(out, (("a", flow_a, x, {u for u, _ in differing}),
+                          ("b", flow_b, y, {v for _, v in differing})), only)  # fmt: skip
     out.status = "differ"
     return True
+
+
+def _trace_back(out: OpDiff, sides: tuple, only: list[tuple[str, dict[str, Any]]]) -> None:
+    """Where the differing inputs of `out.first` come from, into `out`: the latest op only one
+    side runs on their path (`source`); else the latest collective on it (origin "collective":
+    another rank's values); else the op of the trace that made them, one the comparison did
+    not pair (`via`)."""
+    for side, flow, rec, keys in sides:
+        positions = {flow.position[id(r)] for s, r in only if s == side}
+        source = flow.source(rec, keys, positions)
+        if source is not None:
+            out.first["source"] = {"side": side, "where": where(source), "src": source.get("src"),
+                                   "shapes": source.get("shapes")}  # fmt: skip
+            return
+    for side, flow, rec, keys in sides:
+        collective = flow.collective(rec, keys)
+        if collective is not None:
+            out.origin = "collective"
+            out.first["via"] = {"side": side, "where": where(collective),
+                                "src": collective.get("src")}  # fmt: skip
+            return
+    for side, flow, rec, keys in sides:
+        at = flow.position[id(rec)]
+        makers = [k for key in keys if (k := flow.made(key, at)) is not None]
+        if makers:
+            maker = flow.records[max(makers)]
+            out.first["via"] = {"side": side, "where": where(maker), "src": maker.get("src")}
+            return
 
 
 def compare_ops(a_dir: Path | None, b_dir: Path | None) -> OpDiff:
@@ -562,8 +613,17 @@ def compare_ops(a_dir: Path | None, b_dir: Path | None) -> OpDiff:
     if not common:
         out.detail = "no rank traced on both sides"
         return out
+    through: list[OpDiff] = []  # ranks whose first difference another rank sent them
     for rank in common:
         result = OpDiff(rank=rank)
-        if _compare_rank(ta[rank], tb[rank], result) or rank == common[-1] or result.detail:
+        differs = _compare_rank(ta[rank], tb[rank], result)
+        if differs and result.origin == "collective":
+            through.append(result)
+            continue
+        if differs or result.detail or (rank == common[-1] and not through):
+            result.through_collective = [r.rank for r in through]
             return result
-    return out
+    # every traced rank that differs has it from a collective: the lowest one, named so
+    first = through[0]
+    first.through_collective = [r.rank for r in through]
+    return first

@@ -238,6 +238,24 @@ def test_a_loop_with_no_module_on_other_data_is_named_at_its_first_op(tmp_path):
     assert "its inputs already differ: weights, data or code outside the trace" in d.line()
 
 
+def test_a_scalar_made_in_the_step_is_named_where_it_was_made(tmp_path):
+    """A parameter's op whose one-element input differs, made by the step's own code on other
+    data (not paired): the op that made it is named, not "outside the trace"."""
+    for side, seed in (("a", 0), ("b", 1)):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        with trace_ops(tmp_path / side, 1, model, rank=0):
+            scale = x.pow(2).sum()
+            with torch.no_grad():
+                model.weight.mul_(scale)
+    d = compare_ops(tmp_path / "a", tmp_path / "b")
+    assert (d.first["module"], d.first["op"], d.origin) == ("weight", "aten.mul_.Tensor", "inputs")
+    assert d.first["via"]["where"] == "step (top level) aten.sum.default #0", d.line()
+    assert "made by step (top level) aten.sum.default #0 at tests/record/" in d.line(), d.line()
+    assert "outside the trace" not in d.line()
+
+
 def _norms(out, dim: int) -> None:
     """A gradient's per-shard norms, the shards cut along `dim` (FSDP's Shard(0) or Shard(1))."""
     grad = torch.arange(24.0).reshape(6, 4)
@@ -329,6 +347,45 @@ def test_a_collective_s_result_is_linked_past_its_wait(tmp_path):
     (collective,) = [r for r in records if r["op"] == "_c10d_functional.all_reduce.default"]
     (mul,) = [r for r in records if r["op"] == "aten.mul.Tensor"]
     assert collective["out"] == [None] and collective["later"] == [mul["in"][0]], records
+
+
+def _ddp_traces(tmp_path, differ: int):
+    """Both sides of one DDP step on 2 ranks (tests/jobs/ddp_rank_data.py): rank `differ`'s
+    batch differs in b."""
+    import subprocess
+    import sys
+
+    job = os.path.join(os.path.dirname(__file__), "..", "jobs", "ddp_rank_data.py")
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         job, str(tmp_path), str(differ)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    return tmp_path / "a", tmp_path / "b"
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("differ", [0, 1])
+def test_a_rank_s_own_data_is_named_on_that_rank_not_where_the_all_reduce_took_it(tmp_path, differ):
+    """One rank's batch differs: every rank's gradients differ after DDP's all-reduce, but only
+    that rank's own ops differ before it. That rank is named, a lower one as differing only
+    through a collective; with the other rank's trace alone, the collective is named."""
+    a, b = _ddp_traces(tmp_path, differ)
+    d = compare_ops(a, b)
+    other = 1 - differ
+    assert (d.rank, d.origin, d.first["phase"]) == (differ, "inputs", "forward"), d.line()
+    if other < differ:  # the ranks after the one named are not compared
+        assert d.through_collective == [other], d.line()
+        assert d.line().endswith(f"; rank {other} differs only through a collective"), d.line()
+    else:
+        assert d.through_collective == [] and "through a collective" not in d.line(), d.line()
+    for side in (a, b):  # the other rank's trace alone
+        for path in (side / "ops").glob(f"rank{differ}.*"):
+            path.unlink()
+    d = compare_ops(a, b)
+    assert (d.rank, d.origin, d.through_collective) == (other, "collective", [other]), d.line()
+    assert d.first["via"]["where"].endswith("c10d.allreduce_.default #0"), d.line()
+    assert "so the collective itself does (its reduction order or algorithm)" in d.line()
 
 
 # --- multi-rank: worker vs worker + mutant, both traced at step 1 (the first divergent step) ----

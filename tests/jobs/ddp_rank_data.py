@@ -1,0 +1,41 @@
+"""One DDP step, traced on every rank twice (under torchrun, gloo): into OUT/a with every rank's
+own batch, and into OUT/b with rank DIFFER's batch drawn from another seed. The other ranks' own
+ops are the same in both; only what the gradients' all-reduce returns them differs.
+
+Usage: torchrun --standalone --nproc-per-node 2 ddp_rank_data.py OUT DIFFER
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parity.record import trace_ops
+
+
+def step(out: Path, rank: int, seed: int) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed))
+    with trace_ops(out, 1, model, rank=rank):
+        ddp(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+
+
+def main() -> None:
+    out, differ = Path(sys.argv[1]), int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    step(out / "a", rank, seed=rank)
+    step(out / "b", rank, seed=rank + (100 if rank == differ else 0))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
