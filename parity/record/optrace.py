@@ -283,12 +283,13 @@ class OpTracer(TorchDispatchMode):
                 if memory is not None:  # its value as the first op to take it sees: `later`
                     self._unread.setdefault(memory, (weakref.ref(t), i, j))
                 continue
-            hashes.append(_hash(t))
-            scalars.append(_input(t) if t.numel() == 1 else None)
-            if t.is_floating_point():
-                size = t.numel() * t.element_size()
+            host = t.detach().cpu()  # one copy off a GPU for its hash, scalar and value
+            hashes.append(_hash(host))
+            scalars.append(_input(host) if host.numel() == 1 else None)
+            if host.is_floating_point():
+                size = host.numel() * host.element_size()
                 if size <= MAX_TENSOR_BYTES and self.value_bytes + size <= self.max_value_bytes:
-                    self.values[f"{i}.{j}"] = t.detach().cpu().clone()
+                    self.values[f"{i}.{j}"] = host.clone()
                     self.value_bytes += size
                 else:
                     self.values_dropped += 1
