@@ -11,7 +11,7 @@ SIGTERM or SIGHUP takes the one path of parity.run.signals: the running launch i
 
 The user's repository is left exactly as it was: the worktree has its own HEAD and its own
 bisect state (``refs/bisect/*`` and ``BISECT_*`` are per worktree), hooks and auto-gc are off,
-and the worktree is reset, removed and pruned whatever happens, Ctrl-C included.
+and the worktree is reset and removed whatever happens, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pandas as pd
 
 from parity.carry import Carry, CarryItem
 from parity.check import carry_into_revisions, run_in_tree, stops_early
-from parity.files import LAUNCH_SUFFIX, write_json_atomic
+from parity.files import LAUNCH_SUFFIX, launch_dir, write_json_atomic
 from parity.git import (
     RevisionError,
     quiet_git,
@@ -257,7 +257,8 @@ class _Bisection:
         self, tree: Path, commit: str, skip_failed: bool, again: bool = False
     ) -> TestedCommit:
         """``commit``'s run (made now, or earlier in this bisection, or reused) judged against
-        the reference; written to its run folder's verdict.json. A failed or unreadable run is
+        the reference; written to verdict.json in its run folder's launch folder (beside it:
+        ``parity.files.launch_dir``; the run folder is the job's). A failed or unreadable run is
         "skipped" (with skip_failed; else its LaunchError or MetricsError is raised)."""
         name = commit[:12] + ("-fresh" if again else "")
         run_dir = self.out / "commits" / name
@@ -275,7 +276,9 @@ class _Bisection:
             if not skip_failed:
                 raise
             tested.error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        write_json_atomic(run_dir / "verdict.json", json_value(asdict(tested)))
+        verdict = launch_dir(run_dir) / "verdict.json"  # beside the job's files, never among
+        verdict.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(verdict, json_value(asdict(tested)))
         return tested
 
     def _early_stop(self, run_dir: Path) -> EarlyStop | None:
@@ -349,13 +352,13 @@ def bisect(
     and the bisection walked again, each commit's run kept, where that changes anything.
     fresh: run everything, whatever is stored (the runs are still kept).
 
-    Writes the reference run to out/good, each tested commit's run and verdict.json to
-    out/commits/<sha>, and out/bisect.json and out/bisect.log; one progress line per tested
-    commit on stderr. read: how the reference and each tested run are read and compared
-    (spec.READ_OPTIONS' keys, the spec's `[read]` table: format, run, duplicates,
-    allow_skipped, at_source_precision), checked before the first run. carry: paths git
-    ignores copied read-only from the checkout into every tested commit's worktree
-    (parity.carry), refused up front where good, bad or a commit between them tracks one.
+    Writes the reference run to out/good, each tested commit's run to out/commits/<sha> and its
+    verdict to out/commits/<sha>.launch/verdict.json, and out/bisect.json and out/bisect.log;
+    one progress line per tested commit on stderr. read: how the reference and each tested
+    run are read and compared (spec.READ_OPTIONS' keys, the spec's `[read]` table: format,
+    run, duplicates, allow_skipped, at_source_precision), checked before the first run.
+    carry: paths git ignores copied read-only from the checkout into every tested commit's
+    worktree (parity.carry), refused up front where good, bad or a commit between them tracks one.
     Raises RevisionError (bad repo or revisions), SpecError, CarryError, or LaunchError when
     the good or the bad revision's run fails.
     """

@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from parity.errors import InputError
+from parity.record.env import without_git_repository
 
 __all__ = ["Carry", "CarryError", "CarriedInput", "carry_items"]
 
@@ -224,7 +225,8 @@ def _git(root: Path, *args: str) -> str:
     """``git ARGS`` in ``root``, pathspecs taken literally; CarryError with git's message."""
     cmd = ["git", "--literal-pathspecs", "-C", str(root), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                         start_new_session=True, timeout=300)  # fmt: skip
+                         start_new_session=True, timeout=300,
+                         env=without_git_repository(os.environ))  # fmt: skip
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()
         raise CarryError(f"git {args[0]}: {lines[-1] if lines else 'failed'}")

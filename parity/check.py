@@ -1,7 +1,7 @@
 """Pre-merge refactor check: one job spec run on two git revisions, or against a golden file.
 
 Two revisions are a pair (parity.pair): each runs as a side, in its own temporary worktree
-(parity.git: ``git worktree add --detach``, removed and pruned again whatever happens), with cwd
+(parity.git: ``git worktree add --detach``, removed again whatever happens), with cwd
 and PYTHONPATH at that folder, so ``-m pkg`` and script paths resolve to the revision's own code,
 not to the installed package. `run_sides` runs and compares them, `finish_pair` diagnoses them
 once, reruns them with the first divergent step's ops traced where that names the first
@@ -552,7 +552,7 @@ def check_golden(
     if inside & {golden.resolve(), *golden.resolve().parents}:
         raise RevisionError(f"{golden}: golden file lies in the run folder {run_dir}")
     with OutDir.open(out) as held:
-        held.claim(*_run_names([run_dir]))
+        held.claim(*_run_names([run_dir]), "report.md", "report.html")  # before the run
         launch_result = run_in_tree(
             spec, Path(tree).resolve(), run_dir, True, "current tree", read=read
         )

@@ -14,10 +14,12 @@ here runs anything.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from pathlib import Path
 
+from parity.record.env import without_git_repository
 from parity.spec import JobSpec, SpecError, load_policies, load_read_options, load_spec
 
 DEFAULT_INSTALL = "pip install llm-parity"
@@ -169,7 +171,7 @@ def spec_in_repo(path: Path) -> tuple[str, str | None]:
     try:
         top = subprocess.run(
             ["git", "rev-parse", "--show-toplevel"], cwd=where.parent, capture_output=True,
-            text=True, timeout=30,
+            text=True, timeout=30, env=without_git_repository(os.environ),
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         top = ""

@@ -3,12 +3,16 @@ revisions resolved to commits, and temporary detached worktrees that are removed
 happens.
 
 The user's working tree, index, branches and HEAD are never touched: a revision is checked out
-with ``git worktree add --detach`` into a temp folder, hooks off, and that folder is removed and
-pruned on the way out, a signal (parity.run.signals) waiting while git adds or removes it.
+with ``git worktree add --detach`` into a temp folder, hooks off, and that folder and its entry
+(no other: the user's worktrees are theirs) are removed on the way out, a signal
+(parity.run.signals) waiting while git adds or removes it. Git's repository variables of the
+caller (a hook's GIT_INDEX_FILE, a shell's GIT_DIR) are not passed to git: the repository is
+the one the folder given lies in.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parity.errors import InputError
+from parity.record.env import without_git_repository
 from parity.run.signals import deferred
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ def git(repo: Path, *args: str) -> str:
             text=True,
             stdin=subprocess.DEVNULL,
             timeout=300,
+            env=without_git_repository(os.environ),  # a hook's GIT_INDEX_FILE: not ours to write
             start_new_session=True,  # a terminal's Ctrl-C reaches us (parity.run.signals), not git
         )
     except (OSError, subprocess.SubprocessError) as e:
@@ -103,7 +109,7 @@ def resolve_revision(repo: Path, rev: str) -> str:
 def worktree(repo: Path, commit: str, parent: Path | None = None) -> Iterator[Path]:
     """A detached checkout of ``commit`` in a temp folder (in ``parent``: a Slurm launcher's
     folder on the file system the nodes share; default the system's temp folder), removed and
-    pruned on exit.
+    its entry removed on exit.
 
     A signal (parity.run.signals: SIGINT, SIGTERM, SIGHUP) waits while the worktree is added or
     removed: git killed half-way through `worktree add` leaves it registered and locked.
@@ -145,10 +151,34 @@ def origin(tree: Path, carry: Carry | None = None) -> dict[str, Any]:
 
 
 def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
+    """Remove the worktree at ``path`` and its entry in the repository, and no other: ``git
+    worktree prune`` would also drop the entries of the user's own worktrees whose folders are
+    away (moved, on a disk not mounted), their index and staged changes with them."""
     if path.exists():
         _git_unchecked(repo, "worktree", "remove", "--force", str(path))
     shutil.rmtree(tmp, ignore_errors=True)
-    _git_unchecked(repo, "worktree", "prune")
+    for entry in _worktree_entries(repo):  # what `worktree remove` could not take (gone)
+        if _entry_checkout(entry) == path / ".git":
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _worktree_entries(repo: Path) -> list[Path]:
+    """The folders git keeps each linked worktree's HEAD, index and checkout path in
+    (``$GIT_COMMON_DIR/worktrees/<id>``, gitrepository-layout(5))."""
+    try:
+        common = Path(git(repo, "rev-parse", "--path-format=absolute", "--git-common-dir"))
+    except RevisionError:
+        return []
+    folder = common / "worktrees"
+    return sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+
+def _entry_checkout(entry: Path) -> Path | None:
+    """The ``.git`` file of the checkout a worktree entry belongs to (its ``gitdir`` file)."""
+    try:
+        return Path((entry / "gitdir").read_text(encoding="utf-8", errors="replace").strip())
+    except OSError:
+        return None
 
 
 def _git_unchecked(repo: Path, *args: str) -> None:
@@ -156,5 +186,6 @@ def _git_unchecked(repo: Path, *args: str) -> None:
         ["git", "-C", str(repo), *args],
         capture_output=True,
         stdin=subprocess.DEVNULL,
+        env=without_git_repository(os.environ),
         start_new_session=True,  # not stopped half-way by a terminal's Ctrl-C
     )

@@ -123,15 +123,40 @@ def _fp32_precision() -> dict[str, Any] | None:
     return out or None
 
 
+#: git's repository variables (``git rev-parse --local-env-vars``, git 2.39): set by a hook
+#: (GIT_INDEX_FILE in pre-commit: the commit's index) or by a user's shell (GIT_DIR), they point
+#: every git command at that repository, its index and work tree, whatever folder it is run in
+GIT_LOCAL_ENV = (
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG", "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT",
+    "GIT_OBJECT_DIRECTORY", "GIT_DIR", "GIT_WORK_TREE", "GIT_IMPLICIT_WORK_TREE", "GIT_GRAFT_FILE",
+    "GIT_INDEX_FILE", "GIT_NO_REPLACE_OBJECTS", "GIT_REPLACE_REF_BASE", "GIT_PREFIX",
+    "GIT_INTERNAL_SUPER_PREFIX", "GIT_SHALLOW_FILE", "GIT_COMMON_DIR",
+)  # fmt: skip
+
+
+def without_git_repository(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """`env` without git's repository variables (GIT_LOCAL_ENV) and the numbered config pairs
+    GIT_CONFIG_COUNT announces: a git command then finds its repository from the folder it runs
+    in. What the harness's own git commands and the jobs it launches get, so that a hook's
+    GIT_INDEX_FILE or a shell's GIT_DIR never lets them write the user's index or HEAD."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k not in GIT_LOCAL_ENV and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))
+    }
+
+
 def git_revision(path: Path) -> str | None:
     """HEAD of the repository holding `path`, `+dirty` with uncommitted changes; None outside
-    one (or without git)."""
+    one (or without git). Found from `path`, never from git's variables of a caller."""
+    env = without_git_repository(os.environ)
     try:
         out = subprocess.run(
             ["git", "-C", str(path), "rev-parse", "HEAD"],
             capture_output=True,
             text=True,
             timeout=10,
+            env=env,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -142,6 +167,7 @@ def git_revision(path: Path) -> str | None:
         capture_output=True,
         text=True,
         timeout=10,
+        env=env,
     ).stdout.strip()
     return out.stdout.strip() + ("+dirty" if dirty else "")
 

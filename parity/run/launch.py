@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from parity.rank.pdeathsig import parent_death_signal
+from parity.record.env import without_git_repository
 from parity.run import stacks, world
 from parity.run.proc_scan import carrying, kill_carrying, scan_proc
 from parity.run.results import LaunchError, LaunchResult, Stopped
@@ -266,7 +267,7 @@ def _launch_env(
     a fresh launch id; its ranks (``plain``: its one process) dump their stacks on the harness's
     signal into the stacks folder beside ``world_dir`` (parity.run.stacks). ``plain``: without
     the rank variables this process inherited (``launch_plain``)."""
-    inherited = dict(os.environ)
+    inherited = without_git_repository(os.environ)  # a hook's index is not the job's
     if plain:
         for name in _RANK_ENV:
             inherited.pop(name, None)

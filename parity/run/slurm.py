@@ -42,6 +42,7 @@ from pathlib import Path
 
 from parity.errors import InputError
 from parity.files import write_text_atomic
+from parity.record.env import without_git_repository
 from parity.run import world
 from parity.run.launch import LAUNCH_ID_ENV, LaunchRequest, job_env, reproduce_line
 from parity.run.proc_scan import kill_carrying
@@ -114,6 +115,7 @@ def slurm_command(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedPr
         return subprocess.run(
             list(args), capture_output=True, text=True, timeout=timeout_s,
             stdin=subprocess.DEVNULL, start_new_session=True,  # not cut by a terminal's Ctrl-C
+            env=without_git_repository(os.environ),  # sbatch passes its environment on to jobs
         )  # fmt: skip
     except FileNotFoundError:
         raise InputError(f"{args[0]}: not found: the slurm launcher runs where Slurm's client "

@@ -176,6 +176,53 @@ def test_failed_runs_are_skipped_and_can_leave_it_ambiguous(repo, tmp_path, monk
     assert snapshot(repo) == before
 
 
+def test_git_s_variables_of_a_hook_or_a_shell_leave_the_user_s_repository_alone(
+    tmp_path, monkeypatch
+):
+    """Run from a pre-commit hook (GIT_INDEX_FILE: the index being committed) or a shell that
+    sets GIT_DIR and GIT_WORK_TREE, bisect's git commands would check commits out and bisect in
+    the user's repository and write that index. Neither happens, and the entry of a worktree of
+    the user's whose folder is away (moved, a disk not mounted) is kept, its staged file too."""
+    repo = make_repo(tmp_path / "repo")
+    git(repo, "worktree", "add", "-q", "-b", "feature", str(tmp_path / "wt"), "HEAD~1")
+    (tmp_path / "wt" / "new.txt").write_text("staged in the user's worktree\n")
+    git(tmp_path / "wt", "add", "new.txt")
+    (tmp_path / "wt").rename(tmp_path / "wt-away")
+    hook_index = tmp_path / "index.lock"  # what git gives a pre-commit hook
+    hook_index.write_bytes((repo / ".git" / "index").read_bytes())
+    before, index = snapshot(repo), hook_index.read_bytes()
+    fake_runs(monkeypatch)
+    with monkeypatch.context() as m:
+        m.setenv("GIT_DIR", str(repo / ".git"))
+        m.setenv("GIT_WORK_TREE", str(repo))
+        m.setenv("GIT_INDEX_FILE", str(hook_index))
+        code, result = _bisect(repo, tmp_path / "out")
+    assert code == 1 and result["first_bad"]["commit"] == commit_of(repo, 3), result
+    assert snapshot(repo) == before and hook_index.read_bytes() == index
+    (tmp_path / "wt-away").rename(tmp_path / "wt")
+    assert git(tmp_path / "wt", "status", "--porcelain") == "A  new.txt\n"
+
+
+def test_a_job_s_own_verdict_json_is_its_own(repo, tmp_path, monkeypatch):
+    """A job that writes verdict.json into its run folder keeps it: each commit's verdict goes
+    beside the run folder, in its launch folder."""
+    fake_runs(monkeypatch)
+    real = parity.bisect.run_in_tree
+
+    def run_writing_verdict(spec, tree, run_dir, *args, **kwargs):
+        real(spec, tree, run_dir, *args, **kwargs)
+        (Path(run_dir) / "verdict.json").write_text('{"the job": "its own"}\n')
+
+    monkeypatch.setattr(parity.bisect, "run_in_tree", run_writing_verdict)
+    code, result = _bisect(repo, tmp_path)
+    assert code == 1 and len(result["tested"]) == 3, result
+    for tested in result["tested"]:
+        run = Path(tested["run"])
+        assert (run / "verdict.json").read_text() == '{"the job": "its own"}\n'
+        mine = json.loads((run.parent / f"{run.name}.launch" / "verdict.json").read_text())
+        assert mine["verdict"] == tested["verdict"] and mine["commit"] == tested["commit"]
+
+
 def test_reading_options_are_checked_before_any_run(repo, tmp_path, monkeypatch):
     trees = fake_runs(monkeypatch)
     with pytest.raises(ValueError, match="read.duplicates = 'latest' is not valid"):

@@ -179,6 +179,31 @@ def test_check_out_dot_keeps_the_repositorys_tracked_base(tmp_path: Path, capsys
     assert status.stdout.splitlines() == ["?? .parity-out/lock"]
 
 
+def test_check_golden_refuses_the_users_report_before_the_run(tmp_path: Path, capsys) -> None:
+    """`parity check --golden G --out OUT` where OUT/report.md is the user's: refused before the
+    job runs (no OUT/current left to block the next try), the file kept."""
+    ran = tmp_path / "ran"
+    script = tmp_path / "job.py"
+    script.write_text(f"import pathlib, sys\npathlib.Path({str(ran)!r}).write_text('x')\n")
+    spec = tmp_path / "job.toml"
+    spec.write_text(f'task = "custom"\ndistributed = false\ncommand = ["{script}", "{{out}}"]\n')
+    golden = tmp_path / "golden.jsonl"
+    golden.write_text(COMPLETE)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("my notes\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(["check", "--golden", str(golden), "--spec", str(spec), "--out", str(out)])
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "report.md" in err[0], err
+    assert (out / "report.md").read_text() == "my notes\n"
+    assert not ran.exists() and not (out / "current").exists()
+
+
 def test_pair_and_report_into_a_file_are_bad_input(tmp_path: Path, capsys) -> None:
     target = tmp_path / "file"
     target.write_text("mine")

@@ -212,6 +212,18 @@ def test_parse_agent_line_without_summary(tmp_path: Path) -> None:
     assert [(f.rank, f.signal) for f in failures] == [(1, "SIGKILL")]
 
 
+def test_a_job_gets_none_of_git_s_repository_variables(tmp_path: Path, monkeypatch) -> None:
+    """A hook's GIT_INDEX_FILE or a shell's GIT_DIR would point the job's git (the recorder's
+    revision, a job's own `git status`, which rewrites the index) at the caller's repository
+    from a check's worktree: a launch drops them, and the rest of the environment reaches it."""
+    for name in ("GIT_INDEX_FILE", "GIT_DIR", "GIT_WORK_TREE", "GIT_CONFIG_KEY_0"):
+        monkeypatch.setenv(name, str(tmp_path / name))
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "kept")
+    env = launch_module._launch_env(tmp_path / "world", {"MY_VAR": "1"})
+    assert not {"GIT_INDEX_FILE", "GIT_DIR", "GIT_WORK_TREE", "GIT_CONFIG_KEY_0"} & set(env)
+    assert env["GIT_AUTHOR_NAME"] == "kept" and env["MY_VAR"] == "1"
+
+
 def test_rdzv_detection_and_free_port() -> None:
     assert not _has_rdzv_args([])
     assert not _has_rdzv_args(["--max-restarts", "0"])

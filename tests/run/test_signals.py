@@ -284,7 +284,10 @@ def test_bisect_sighup(tmp_path: Path) -> None:
     assert _snapshot(repo) == before
     assert (out / "good" / "metrics.jsonl").exists()  # the reference and the bad commit's
     bad = git(repo, "rev-parse", "main").strip()[:12]  # verdict were complete: kept
-    assert json.loads((out / "commits" / bad / "verdict.json").read_text())["verdict"] == "diverged"
+    assert (
+        json.loads((out / "commits" / f"{bad}.launch" / "verdict.json").read_text())["verdict"]
+        == "diverged"
+    )
 
 
 # --- pytest with a warm pool, and the soak -------------------------------------------------------
