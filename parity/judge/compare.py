@@ -37,6 +37,7 @@ from parity.readers import (
     skipped_count,
 )
 from parity.readers.frame import FLOAT64, coarser
+from parity.readers.labels import align_step_labels
 
 __all__ = [
     "JUDGED_COUNTERS",
@@ -323,9 +324,10 @@ class Comparison:
         return self.verdict == "aligned"
 
     def verdict_text(self) -> str:
-        """The verdict as printed: "aligned at 4 decimals" when a judged metric's sources hold
-        fewer digits than a float (the user accepted judging at them), else the verdict."""
-        rounded = [p for p in self.results.judged_at() if "decimals:" in p]
+        """The verdict as printed: "aligned at 4 decimals" (or "at 6 significant digits") when a
+        judged metric's sources hold fewer digits than a float (the user accepted judging at
+        them), else the verdict."""
+        rounded = [p for p in self.results.judged_at() if _rounded(p)]
         if self.verdict != "aligned" or not rounded:
             return self.verdict
         return "aligned at " + " and ".join(sorted({_precision_words(p) for p in rounded}))
@@ -430,11 +432,16 @@ class Comparison:
         return lines
 
 
+_ROUNDING_WORDS = {"decimals": "decimals", "digits": "significant digits"}
+
+
 def _precision_words(p: str) -> str:
-    """'float32', '5 decimals', 'float32 and 4 decimals'."""
-    return " and ".join(
-        f"{x.split(':')[1]} decimals" if x.startswith("decimals:") else x for x in p.split(",")
-    )
+    """'float32', '5 decimals', 'float32 and 4 decimals', '6 significant digits'."""
+    words = []
+    for part in p.split(","):
+        kind, _, count = part.partition(":")
+        words.append(f"{count} {_ROUNDING_WORDS[kind]}" if kind in _ROUNDING_WORDS else part)
+    return " and ".join(words)
 
 
 def _width(precision: str) -> str:
@@ -449,7 +456,7 @@ def _names(names: list[str], limit: int = 6) -> str:
 def _at_precision(x: np.ndarray, precision: str) -> tuple[np.ndarray, type]:
     """The values as the coarser source holds them, and the float type whose ULPs count: a
     float32 log is judged in float32 bits and ULPs, a rounded one after rounding both sides
-    (a float width first, then decimals, where both apply)."""
+    (a float width first, then decimals, then significant digits, where they apply)."""
     ulp_type: type = np.float64
     for part in precision.split(","):
         if part in ("float32", "float16"):
@@ -459,6 +466,9 @@ def _at_precision(x: np.ndarray, precision: str) -> tuple[np.ndarray, type]:
         elif part.startswith("decimals:"):
             n = int(part.split(":")[1])
             x = np.array([round(v, n) for v in x.tolist()], dtype=np.float64)
+        elif part.startswith("digits:"):
+            n = int(part.split(":")[1])
+            x = np.array([float(f"{v:.{n}g}") for v in x.tolist()], dtype=np.float64)
     return x, ulp_type
 
 
@@ -475,17 +485,24 @@ def _float32_values(x: np.ndarray, y: np.ndarray) -> bool:
 
 def needs_full_value(policy: Policy) -> bool:
     """Whether the policy judges some step exact: it then needs the value in full, which a
-    rounded source does not hold. ulp:, close: and ignore are tolerances the user chose; a
+    rounded source does not hold. ulp:, close: and ignore are tolerances the user chose, but
+    ulp:0 and close:0,0 tolerate nothing: exact in effect, they need the full value too (else
+    `ulp:0` on a rounded log would read "aligned at 4 decimals" where `exact` is "imprecise"). A
     step policy without a fallback piece judges the steps no range holds exact."""
     if policy.kind == "steps":
         fallback = any(p.first is None and p.last is None for p in policy.pieces)
         return not fallback or any(needs_full_value(p.policy) for p in policy.pieces)
+    if policy.kind == "ulp":
+        return policy.ulp == 0
+    if policy.kind == "close":
+        return policy.rtol == 0 and policy.atol == 0
     return policy.kind == "exact"
 
 
 def _rounded(precision: str) -> bool:
-    """Whether a precision is a rounding to decimals (a float width is judged in its bits)."""
-    return "decimals:" in precision
+    """Whether a precision is a rounding to decimals or significant digits (a float width is
+    judged in its bits)."""
+    return "decimals:" in precision or "digits:" in precision
 
 
 def _steps(steps: list[int], limit: int = 8) -> str:
@@ -722,7 +739,8 @@ def compare_frames(
     sources (attrs["precision"]): a float32 log in float32 bits and ULPs, a rounded one rounded.
     A rounded source under a policy that judges a step exact (needs_full_value) gives verdict
     "imprecise" (the source cannot tell 1 ULP apart), unless at_source_precision accepts
-    judging at its decimals. Values that are all exactly float32 count their ULPs in float32.
+    judging at its decimals (digits). ulp:0 and close:0,0 count as exact. Values that are all
+    exactly float32 count their ULPs in float32.
     No metric judged at any step (every one ignored) raises NothingComparedError unless
     allow_nothing_compared: "aligned" would say nothing.
 
@@ -731,9 +749,12 @@ def compare_frames(
     """
     for side, frame in (("a", a), ("b", b)):
         if frame.attrs.get("complete") is False and not allow_incomplete:
+            why = frame.attrs.get("incomplete") or "no end record"
             raise IncompleteRunError(
-                f"{frame.attrs.get('source', side)}: run is incomplete (no end record); "
-                "pass allow_incomplete to compare anyway"
+                printable(
+                    f"{frame.attrs.get('source', side)}: run is incomplete ({why}); "
+                    "--allow-incomplete to compare anyway"
+                )
             )
         if skipped_count(frame) and not allow_skipped:
             notes = [n for n in frame.attrs.get("notes") or [] if n.startswith("first ")]
@@ -745,6 +766,7 @@ def compare_frames(
         if not frame.index.is_unique or not frame.columns.is_unique:
             raise MetricsError(f"frame {side}: steps and metric names must be unique")
     policies = parse_policies(policies)  # a bad text fails here, even if it matches nothing
+    a, b = align_step_labels(a, b)  # steps that are labels ([epoch, iteration]): by label
     steps_index = a.index.union(b.index).sort_values()
     steps = np.asarray(steps_index, dtype=np.int64)
     ka, kb = a.columns.tolist(), b.columns.tolist()

@@ -18,7 +18,9 @@ with more decimals: not the generator's rounding). Two layouts:
 
 torchtitan (tests/assets/losses/*.txt, scripts/loss_compare.py --export-result): one line
 `STEP LOSS` per step, the loss as Python prints a float (the TensorBoard value, so float64 repr;
-files cut from the console log carry a fixed number of decimals, read as decimals(N)). Newer
+files cut from the console log carry a fixed number of decimals, read as decimals(N)). Where no
+fixed number decides (one row, or a repr of `round(loss, 4)`: 2.3456, 2.12), the values do, by
+the rule every text log's are read by (frame.infer_decimals: decimals:N or digits:S). Newer
 files start with `# key: value` comments and a `# step loss grad_norm` line naming the columns.
 The loss is named `loss_metrics/global_avg_loss`, the tag torchtitan's TensorBoard and W&B
 loggers use, so a baseline compares with a torchtitan run read from TensorBoard; other columns
@@ -217,7 +219,8 @@ _HEADER = re.compile(r"#\s*step(?:\s+\S+)+\s*")
 
 def _fixed_places(texts: list[str]) -> int | None:
     """N when every value is written with N decimals in plain notation (a console log's fixed
-    format, e.g. `{loss:8.5f}`); None for Python's repr, whose digits vary."""
+    format, e.g. `{loss:8.5f}`), two rows or more; None for Python's repr, whose digits vary, or
+    a single row: then the values decide (finish's written rule)."""
     counts = {len(t.partition(".")[2]) if "." in t and "e" not in t.lower() else -1 for t in texts}
     if len(texts) < 2 or len(counts) != 1:
         return None
@@ -286,7 +289,15 @@ def _read_torchtitan(path: Path, options: ReadOptions) -> pd.DataFrame:
         n = _fixed_places(texts)
         precision[name] = decimals(n) if n is not None else FLOAT64
     values, present = cells.frames(path, options.duplicates, log)
-    return finish(values, present, source=path, fmt="torchtitan-loss", precision=precision, log=log)
+    return finish(
+        values,
+        present,
+        source=path,
+        fmt="torchtitan-loss",
+        precision=precision,
+        log=log,
+        written=True,  # where no fixed number of decimals decides, the values' look does
+    )
 
 
 def _claims_torchtitan(path: Path, head: bytes | None) -> bool:
@@ -322,6 +333,6 @@ FORMATS = [
         _claims_torchtitan,
         "a `.txt` of `STEP LOSS` lines named `*loss*` or under a `losses/` folder, or headed "
         "`# step loss ...` (torchtitan's loss reference)",
-        "float64, or decimals(N) when every value has N decimals",
+        "float64, or decimals(N) when every value has N decimals or every value looks rounded",
     ),
 ]

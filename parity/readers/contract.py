@@ -17,13 +17,16 @@ import pandas as pd
 
 from parity.readers.frame import FLOAT32, FLOAT64
 
-_PRECISION_PART = re.compile(rf"^(?:{FLOAT64}|{FLOAT32}|float16|decimals:\d{{1,3}})$")
+_PRECISION_PART = re.compile(
+    rf"^(?:{FLOAT64}|{FLOAT32}|float16|decimals:\d{{1,3}}|digits:[1-9]\d{{0,2}})$"
+)
 
 
 def precision_problem(text: object) -> str | None:
-    """What is wrong with a precision text ("float64", "float32,decimals:4", ...), or None."""
-    if not isinstance(text, str) or not all(_PRECISION_PART.match(p) for p in text.split(",")):
-        return f"precision {text!r} is none of float64, float32, float16, decimals:N"
+    """What is wrong with a precision text ("float64", "float32,decimals:4", "digits:6", ...),
+    or None. digits:S is S significant digits (`%g`: 6), S at least 1."""
+    if not isinstance(text, str) or not all(_PRECISION_PART.fullmatch(p) for p in text.split(",")):
+        return f"precision {text!r} is none of float64, float32, float16, decimals:N, digits:S"
     return None
 
 

@@ -8,13 +8,15 @@ same shape) says which cells the source really had, and ``present_mask`` reads i
 Other attrs, set by ``finish`` for every reader:
 - "source": the file or folder read; "format": the reader's name;
 - "complete": True/False where the format marks a finished run (our jsonl's end record), else
-  None;
-- "precision": {metric: "float64" | "float32" | "decimals:N"}, what the source can hold for that
-  metric: float32 where the source says so (TensorBoard's simple_value), decimals:N where the
-  format rounds (Megatron's goldens) or where a text log's values all look rounded
-  (``rounded_places``: `finish(..., written=True)`). A float32 source is judged in float32; a
-  rounded one cannot be judged exact: compare's verdict "imprecise" unless the user accepts
-  judging at the source's decimals or gives a tolerance;
+  None; "incomplete" (only where complete is False): what the reader found, for the error that
+  refuses the run ("no end record", MLflow's "status RUNNING");
+- "precision": {metric: "float64" | "float32" | "decimals:N" | "digits:S", or float32 with a
+  rounding: "float32,decimals:4"}, what the source can hold for that metric: float32 where the
+  source says so (TensorBoard's simple_value), decimals:N where the format rounds (Megatron's
+  goldens) or where a text log's values all look rounded (``rounded_places``, and digits:S,
+  S significant digits, for `%g`: ``rounded_digits``; `finish(..., written=True)`). A float32
+  source is judged in float32; a rounded one cannot be judged exact: compare's verdict
+  "imprecise" unless the user accepts judging at the source's rounding or gives a tolerance;
 - "skipped": [{"reason", "count", "where"}], the records the reader saw but could not use (a
   line that looks like a metric record and does not parse, a record without a step, a number a
   float64 cannot hold, a last line cut off: text.CUT_TAIL). compare refuses a side with skipped
@@ -42,7 +44,7 @@ from __future__ import annotations
 import math
 import re
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -221,28 +223,44 @@ def decimals(n: int) -> str:
     return f"decimals:{n}"
 
 
+def digits(n: int) -> str:
+    """The precision of a source that rounds to n significant digits (`f"{x:g}"`: 6)."""
+    return f"digits:{n}"
+
+
+def _counts(p: str, q: str, kind: str) -> list[int]:
+    """The counts of one kind of rounding ("decimals", "digits") both precision texts give."""
+    return [int(x.split(":")[1]) for x in (p, q) for x in x.split(",") if x.startswith(kind + ":")]
+
+
 def coarser(p: str, q: str) -> str:
-    """What both of two precisions hold: a pair is judged at it. Float widths and decimals are
-    independent limits (a float32 holds 0.0625 steps at a million, finer than 4 decimals near
-    1), so float32 against 4 decimals is "float32,decimals:4": both roundings apply."""
+    """What both of two precisions hold: a pair is judged at it. Float widths, decimals and
+    significant digits are independent limits (a float32 holds 0.0625 steps at a million,
+    finer than 4 decimals near 1; 6 significant digits are coarser than 4 decimals at 1000,
+    finer at 0.01), so float32 against 4 decimals is "float32,decimals:4": both roundings
+    apply, the float width first; of two decimals or two digits, the fewer."""
     width = {FLOAT64: 0, FLOAT32: 1, "float16": 2}
     floats = [x for x in (p, q) for x in x.split(",") if x in width]
-    places = [
-        int(x.split(":")[1]) for x in (p, q) for x in x.split(",") if x.startswith("decimals:")
-    ]
     parts = []
     if floats and max(width[f] for f in floats) > 0:
         parts.append(max(floats, key=width.__getitem__))
-    if places:
+    if places := _counts(p, q, "decimals"):
         parts.append(decimals(min(places)))
+    if sig := _counts(p, q, "digits"):
+        parts.append(digits(min(sig)))
     return ",".join(parts) or FLOAT64
 
 
-# --- values a writer rounded to a few decimals -------------------------------------------------
+# --- values a writer rounded to a few decimals or significant digits ---------------------------
 
 MAX_ROUNDED_PLACES = 5  # more decimals than this is taken as a value written in full
 MIN_ROUNDED_PLACES = 3  # fewer is a mean of integers over 10 or 20 samples (123.45) as often
 MEAN_EVIDENCE = 10  # distinct values that, sharing a factor 2 or 5, show a mean, not a rounding
+HUGE = 1e9  # past it x * 10**5 nears 2**53: its decimals cannot be tested exactly
+MIN_ROUNDED_DIGITS = 4  # fewer digits witness nothing (the decimals rule's witness has 4)
+SHORT_DIGITS = 6  # `{x:g}`: up to it a column of any length reads as rounded
+FLOAT32_DIGITS = 7  # a float32's shortest repr often has no more: rounded only on evidence
+_DYADIC = 65536.0  # a multiple of 2**-16 is a short binary fraction: it witnesses no rounding
 
 
 def _places(x: np.ndarray) -> int | None:
@@ -256,14 +274,45 @@ def _places(x: np.ndarray) -> int | None:
     return None
 
 
+def _finite(values: np.ndarray) -> np.ndarray:
+    x = np.asarray(values, dtype=np.float64)
+    return x[np.isfinite(x)]
+
+
+def _below_huge(x: np.ndarray) -> np.ndarray:
+    """The values the decimals rule can test: a spike past HUGE (a grad_norm of 2.5e9) is left
+    out of it, not taken as a sign that the whole column holds its values in full."""
+    return x[np.abs(x) < HUGE]
+
+
+def _shows_rounding(x: np.ndarray, n: int) -> bool:
+    """Whether values that are all decimals with n places (``_places``) show a rounding: a
+    witness (a non-integer with 4 significant digits or more, trailing zeros not counted, that
+    no short binary fraction explains), and not the digits of a mean of integers
+    (``rounded_places``)."""
+    frac = np.unique(np.abs(x[x != np.round(x)]))  # the distinct non-integers
+    if not len(frac):
+        return False
+    units = np.round(frac * 10.0**n).astype(np.int64)  # each value in units of 10**-n
+    stripped = units.copy()
+    for _ in range(n):  # trailing zeros are no digits: 0.1 at 4 places is 1000, 1 digit
+        stripped = np.where(stripped % 10 == 0, stripped // 10, stripped)
+    dyadic = (frac * _DYADIC) == np.round(frac * _DYADIC)
+    if not (~dyadic & (stripped >= 1000)).any():
+        return False
+    return not (len(units) >= MEAN_EVIDENCE and ((units % 2 == 0).all() or (units % 5 == 0).all()))
+
+
 def rounded_places(values: np.ndarray) -> int | None:
     """N when a series looks written rounded to N decimals (`f"{loss:.4f}"`, `round(x, 4)`);
     None when it holds its values in full.
 
     A text log cannot say how it was written, so the values decide. Rounded at N when:
-    - every finite value is the float64 of a decimal with N places, N the fewest, 3 <= N <= 5
-      (``_places``; Python's repr of a computed float64 or of a float32 has 15-17 digits and
-      never is, unless it is a short binary fraction);
+    - every finite value below HUGE is the float64 of a decimal with N places, N the fewest,
+      3 <= N <= 5 (``_places``; Python's repr of a computed float64 or of a float32 has 15-17
+      digits and never is, unless it is a short binary fraction). A value past HUGE (a spike
+      of 2500000000.1235 in a `.4f` grad_norm) is left out: its decimals cannot be tested
+      exactly, and it must not hide the rounding of the others;
     - a value witnesses it: a non-integer with 4 significant digits or more (trailing zeros
       not counted) that no short binary fraction explains (1.003, 2.3456; not 0.3125 = 5/16,
       not 0.1 beside 0.0001, not an lr of 0.0003);
@@ -276,37 +325,175 @@ def rounded_places(values: np.ndarray) -> int | None:
     read as rounded, and an exact policy on them gives "imprecise", never a false "aligned". A
     log rounded to 1 or 2 decimals is not told from a mean over 10 or 20 samples (123.45), so
     it is read as written."""
-    x = np.asarray(values, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    frac = np.unique(np.abs(x[x != np.round(x)]))  # the distinct non-integers
-    if not len(frac) or np.abs(x).max() >= 1e9:
-        return None
-    n = _places(x)
+    x = _below_huge(_finite(values))
+    n = _places(x) if len(x) else None
     if n is None or n < MIN_ROUNDED_PLACES:
         return None
-    units = np.round(frac * 10.0**n).astype(np.int64)  # each value in units of 10**-n
-    stripped = units.copy()
-    for _ in range(n):  # trailing zeros are no digits: 0.1 at 4 places is 1000, 1 digit
-        stripped = np.where(stripped % 10 == 0, stripped // 10, stripped)
-    dyadic = (frac * 65536.0) == np.round(frac * 65536.0)
-    if not (~dyadic & (stripped >= 1000)).any():
+    return n if _shows_rounding(x, n) else None
+
+
+def significant_digits(v: float) -> int:
+    """Significant digits of a float64's shortest repr: 2.6 -> 2, 0.000123 -> 3, 2.5e9 -> 2,
+    0.1 + 0.2 (0.30000000000000004) -> 17. Sign, exponent, point and the zeros before the first
+    digit and after the last are no digits."""
+    mantissa = repr(abs(v)).partition("e")[0].replace(".", "")
+    return len(mantissa.strip("0"))
+
+
+def _dyadic(v: float) -> bool:
+    return v.is_integer() or (v * _DYADIC).is_integer()
+
+
+def _halved(v: float) -> bool:
+    """Whether `v` is a short decimal (3 significant digits or fewer) halved up to 16 times:
+    an lr halved by a schedule (1e-4 * 0.5**6 = 1.5625e-06, ReduceLROnPlateau's factor 0.5) is
+    computed in full and short, and witnesses no rounding."""
+    return any(significant_digits(v * 2.0**j) < MIN_ROUNDED_DIGITS for j in range(1, 17))
+
+
+def rounded_digits(values: np.ndarray) -> int | None:
+    """S when a series looks written rounded to S significant digits (`f"{x:g}"` and `%g`: 6,
+    `%.5g`, `%.4g`; `{x:.6e}` and `%.7g`: 7); None when it holds its values in full.
+
+    S is the most significant digits a value's shortest repr has (``significant_digits``).
+    Rounded at S when 4 <= S <= 6 and a value witnesses it: one of 4 significant digits or more
+    that no short binary fraction explains (a multiple of 2**-16: 0.984375 = 63/64 is a mean
+    over 64 samples, in full), nor a short decimal halved (an lr of 1e-4 * 0.5**6 =
+    1.5625e-06, in full: ``_halved``).
+
+    At S == 7 it takes MEAN_EVIDENCE distinct non-integers too: a float32 written in its own
+    shortest repr (pandas' to_csv of a float32 column, `str()` of a numpy float32) has at most
+    7 digits for 2 values in 10 to 6 in 10 (measured on uniform float32s: 0.44 in [0.1, 1),
+    0.18 in [1, 3), 0.58 in [3, 10)), so a short float32 column must not read as rounded; 10
+    such values all within 7 digits happen by chance at most 0.58**10 (0.4%), 20 at 2e-5, and
+    then read as rounded: "imprecise" under an exact policy, the safe side. At 6 digits or
+    fewer a float32 value falls by chance with 0.02 to 0.06 per value: a float32 column of one
+    or two values can read as rounded, the same safe side. Other values short by nature read
+    as rounded too: an accuracy over a million samples (0.123457).
+
+    A value with 8 digits or more ends the check: a computed float64's repr has 15-17, so a
+    log written in full costs one value or a few."""
+    x = _finite(values)
+    top, candidates = 0, set[float]()
+    for v in _one_by_one(x):
+        s = significant_digits(v)
+        if s > FLOAT32_DIGITS:
+            return None
+        top = max(top, s)
+        if s >= MIN_ROUNDED_DIGITS and not _dyadic(v):
+            candidates.add(v)
+    if not any(not _halved(v) for v in candidates):  # each distinct value checked once
         return None
-    if len(units) >= MEAN_EVIDENCE and ((units % 2 == 0).all() or (units % 5 == 0).all()):
+    if top > SHORT_DIGITS and len(np.unique(x[x != np.round(x)])) < MEAN_EVIDENCE:
         return None
-    return n
+    return None if _fixed_point(np.unique(np.abs(x[x != 0])).tolist()) else top
+
+
+def _decimal_places(v: float) -> int:
+    """Decimal places of a float64's shortest repr: 0.00024576 -> 8, 4.096e-05 -> 8, 120.0 -> 0."""
+    mantissa, _, exponent = repr(abs(v)).partition("e")
+    fraction = mantissa.partition(".")[2].rstrip("0")
+    return max(0, len(fraction) - int(exponent or 0))
+
+
+def _fixed_point(values: list[float]) -> bool:
+    """Whether positive values spanning two decades or more are as fine at the top as anywhere:
+    a value of the top decade has the most decimal places. Integers scaled by a power of ten
+    are (verl's train/total_tokens(B), a token count / 1e9: 4.096e-05 ... 0.00024576, every one
+    to 8 places), and hold their values in full; values rounded to S significant digits are
+    not, a larger value's last digit lying further left."""
+    decades = [math.floor(math.log10(v)) for v in values]
+    if not decades or min(decades) == max(decades):
+        return False
+    places = [_decimal_places(v) for v in values]
+    return max(p for p, d in zip(places, decades, strict=True) if d == max(decades)) == max(places)
+
+
+def _one_by_one(x: np.ndarray, block: int = 4096) -> Iterator[float]:
+    """The values as Python floats, a block at a time: a loop that ends at its first value
+    does not pay for a list of all of them."""
+    for start in range(0, len(x), block):
+        yield from x[start : start + block].tolist()
+
+
+def written_rounding(values: np.ndarray) -> str | None:
+    """The precision a text source's values show, when they look rounded: decimals:N
+    (``rounded_places``) or digits:S (``rounded_digits``); None when they look written in full.
+    The digits rule decides only a column whose values below HUGE are not all short decimals:
+    a column of them (123.45, an accuracy over 1000 samples) is the decimals rule's, which tells
+    a mean of integers from a rounding."""
+    x = _finite(values)
+    small = _below_huge(x)
+    n = _places(small) if len(small) else None
+    if n is not None:
+        rounded = n >= MIN_ROUNDED_PLACES and _shows_rounding(small, n)
+        return decimals(n) if rounded else None
+    s = rounded_digits(x)
+    return None if s is None else digits(s)
+
+
+def written_in_full(head: np.ndarray) -> bool:
+    """Whether a column's first values already show that ``written_rounding`` says None of the
+    whole column, so a reader may skip asking it (verl's console does, for speed): a value
+    below HUGE that is no decimal with 1..MAX_ROUNDED_PLACES places (no decimals rule), and a
+    value with more than FLOAT32_DIGITS significant digits (no digits rule)."""
+    x = _finite(head)
+    small = _below_huge(x)
+    if not len(small) or _places(small) is not None:
+        return False
+    return any(significant_digits(v) > FLOAT32_DIGITS for v in x.tolist())
 
 
 def infer_decimals(values: pd.DataFrame, precision: dict[str, str]) -> dict[str, str]:
-    """``precision`` with each float64 metric whose values look rounded (``rounded_places``)
-    at its decimals: a text source's rounding is part of what it holds."""
+    """``precision`` with each float64 metric whose values look rounded (``written_rounding``)
+    at its decimals or significant digits: a text source's rounding is part of what it holds."""
     out = dict(precision)
     for name in values.columns:
         if out.get(str(name), FLOAT64) != FLOAT64:
             continue
-        n = rounded_places(values[name].to_numpy(dtype=np.float64))
-        if n is not None:
-            out[str(name)] = decimals(n)
+        rounding = written_rounding(values[name].to_numpy(dtype=np.float64))
+        if rounding is not None:
+            out[str(name)] = rounding
     return out
+
+
+def float32_rounded_places(values: np.ndarray) -> int | None:
+    """N when float32 values look rounded to N decimals before they became float32 (HF's
+    Trainer logs `round(loss, 4)`, and its TensorBoardCallback writes that as a float32
+    simple_value); None when they look like float32s computed in full.
+
+    Rounded at N (3 <= N <= 5, the fewest) when every value v is float32(round(v, N)), and the
+    decimals the writer rounded to show a rounding as the text rule asks (``_shows_rounding``:
+    a witness, no mean of integers), counting only the values whose float32 spacing is finer
+    than 10**-N / 10: where a float32 is coarser, every float32 is the float32 of some N-place
+    decimal, and one finer by less than that falls on the grid by chance too often. A float32
+    computed in full falls on it with a chance of its spacing times 10**N: 0.024 for a loss of
+    2.6 at 5 decimals, so a lone value can read as rounded (the safe side: "imprecise"). A value
+    that is no float32 (a DT_DOUBLE beside) means None: the values are not all float32."""
+    x = _below_huge(_finite(values))
+    if (x.astype(np.float32).astype(np.float64) != x).any():
+        return None
+    n = _float32_places(x) if len(x) else None
+    if n is None or n < MIN_ROUNDED_PLACES:
+        return None
+    fine = np.spacing(np.abs(x.astype(np.float32))).astype(np.float64) < 10.0**-n / 10
+    return n if _shows_rounding(_decimal_grid(x[fine], n), n) else None
+
+
+def _float32_places(x: np.ndarray) -> int | None:
+    """The fewest N (1..MAX_ROUNDED_PLACES) such that every float32 value of `x` is the float32
+    of its nearest decimal with N places, else None."""
+    x32 = x.astype(np.float32)
+    for n in range(1, MAX_ROUNDED_PLACES + 1):
+        if (_decimal_grid(x, n).astype(np.float32) == x32).all():
+            return n
+    return None
+
+
+def _decimal_grid(x: np.ndarray, n: int) -> np.ndarray:
+    """Each value's nearest decimal with n places, as its float64."""
+    scale = 10.0**n
+    return np.round(x * scale) / scale
 
 
 @dataclass
@@ -501,10 +688,12 @@ def finish(
     complete: bool | None = None,
     step_labels: dict[int, object] | None = None,
     written: bool = False,
+    incomplete: str = "no end record",
 ) -> pd.DataFrame:
     """The read frame with the contract's attrs (see the module doc). written: the values are
     decimal text another program wrote, so a float64 metric whose values all look rounded is
-    read at its decimals (``infer_decimals``)."""
+    read at its decimals or digits (``infer_decimals``). incomplete: why a run with complete
+    False is not finished, as the reader found it (attrs["incomplete"])."""
     if isinstance(precision, str):
         precision = {str(c): precision for c in values.columns}
     else:
@@ -521,6 +710,8 @@ def finish(
         skipped=log.records(),
         notes=list(log.notes),
     )
+    if complete is False:
+        values.attrs["incomplete"] = incomplete
     if step_labels is not None:
         values.attrs["step_labels"] = step_labels
     return values

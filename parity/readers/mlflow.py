@@ -438,7 +438,14 @@ def _read(path: Path, options: ReadOptions) -> pd.DataFrame:
     values, present = frames(run.where, series, options.duplicates, log)
     done = None if run.status is None else run.status == "FINISHED"
     return finish(
-        values, present, source=run.where, fmt="mlflow", log=log, complete=done, written=True
+        values,
+        present,
+        source=run.where,
+        fmt="mlflow",
+        log=log,
+        complete=done,
+        written=True,
+        incomplete=f"status {run.status}",
     )
 
 

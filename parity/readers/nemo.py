@@ -20,7 +20,8 @@ What STEP holds, and how it becomes the frame's step:
   more, every step is its list, and the lists are numbered 1, 2, 3, ... in the order they first
   appear: records of one list merge into one step, and the frame's
   attrs["step_labels"] = {step: list} keeps what each step was (said in the notes too). Two
-  runs of one script log the same lists in the same order, so their steps line up. Lists of
+  runs are compared label by label (parity.readers.labels: a list one run lacks is a
+  missing step, not a value set against the next list's). Lists of
   one length have an order of their own; one that first appears after a later one of its length
   (`[0, 10]` first seen after `[0, 20]`) makes the numbering contradict it: a one-line error.
 - `[]` (a run summary, NeMo's `step=None`) and a string (`"PARAMETER"` for hyperparameters,

@@ -14,7 +14,10 @@ torchtitan (`loss_metrics/global_avg_loss`, `grad_norm`, `lr`), HF's TensorBoard
 Megatron's `... vs samples` twins are on a samples axis, not steps: left out, noted. A scalar
 is a `simple_value` (float32) or a one-number tensor of a tag whose first metadata names the
 "scalars" plugin (TF's writers keep it on a tag's first value only): DT_FLOAT float32, DT_DOUBLE
-float64, DT_HALF/DT_BFLOAT16 "float16"/"bfloat16" (noted), integers float64 when exact.
+float64, DT_HALF/DT_BFLOAT16 "float16"/"bfloat16" (noted), integers float64 when exact. A
+float32 metric whose every value is the float32 of a decimal with N places (3..5) is
+"float32,decimals:N" (frame.float32_rounded_places): HF's Trainer logs `round(loss, 4)`, and a
+float32 of 4 decimals cannot show a difference of one ULP.
 Histograms, images, text and the like are ignored by design, named once in the notes.
 
 Runs: a file; a folder whose event files sit in one folder (several files there: one run
@@ -31,7 +34,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parity.readers.frame import Cells, Format, ReadLog, ReadOptions, assemble, fail, finish
+from parity.readers.frame import (
+    FLOAT32,
+    Cells,
+    Format,
+    ReadLog,
+    ReadOptions,
+    assemble,
+    decimals,
+    fail,
+    finish,
+    float32_rounded_places,
+)
 from parity.readers.tfrecord import frame_records, masked_crc, windows
 from parity.readers.wire import varint
 
@@ -361,7 +375,23 @@ class _Run:
         half = [n for n, p in precision.items() if p in _PRECISIONS[2:]]
         if half:
             log.note(f"stored in 16 bits (float16 or bfloat16, see precision): {_few(half)}")
-        return finish(*out, source=source, fmt="tensorboard", precision=precision, log=log)
+        return finish(
+            *out, source=source, fmt="tensorboard", precision=_rounded(out[0], precision), log=log
+        )
+
+
+def _rounded(values: pd.DataFrame, precision: dict[str, str]) -> dict[str, str]:
+    """``precision`` with each float32 metric whose values were rounded to N decimals before
+    they became float32 (HF's Trainer logs `round(loss, 4)`; its TensorBoardCallback writes that
+    as a simple_value) at "float32,decimals:N" (frame.float32_rounded_places): a float32 of
+    4 decimals cannot show a difference of one float32 ULP either."""
+    out = dict(precision)
+    for name, p in precision.items():
+        if p == FLOAT32:
+            n = float32_rounded_places(values[name].to_numpy(dtype=np.float64))
+            if n is not None:
+                out[name] = f"{FLOAT32},{decimals(n)}"
+    return out
 
 
 def _few(names: list[str]) -> str:
@@ -428,6 +458,7 @@ FORMATS = [
         _claims,
         f"a TensorBoard event file (`{_NAME}.*`), or a folder of them (`--run` picks one run of "
         "several)",
-        "float32 (`simple_value`, DT_FLOAT tensors); float64 (DT_DOUBLE, integers)",
+        "float32 (`simple_value`, DT_FLOAT tensors), float32 and decimals(N) when every value "
+        "is the float32 of a rounded decimal; float64 (DT_DOUBLE, integers)",
     )
 ]

@@ -172,12 +172,19 @@ def test_present_nan_versus_absent(tmp_path):
 
 
 def test_incomplete_run(tmp_path):
+    """The error names the file, what the reader found and the CLI's flag, on one line."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "x": 1.0}\n')
     f = read_metrics(tmp_path)
-    with pytest.raises(IncompleteRunError, match=r"metrics\.jsonl: run is incomplete"):
+    with pytest.raises(IncompleteRunError) as e:
         compare_frames(f, f)
+    assert str(e.value) == (
+        f"{path}: run is incomplete (no end record); --allow-incomplete to compare anyway"
+    )
     assert compare_frames(f, f, allow_incomplete=True).ok
+    f.attrs["incomplete"] = "status RUNNING"  # what MLflow's reader found
+    with pytest.raises(IncompleteRunError, match=r"incomplete \(status RUNNING\); --allow-"):
+        compare_frames(f, f)
 
 
 KEYS = ["train/loss", "train/grad_norm", "train/lr", "train/global_tokens",
@@ -458,6 +465,43 @@ def test_precision_judges_at_the_coarser_source():
     assert compare_frames(frame({"m": [10.1234649, 2.0]}), r, at_source_precision=True).ok
     d = compare_frames(frame({"m": [10.1234651, 2.0]}), r).metrics["m"]
     assert d.first_divergent_step == 1 and "judged at 5 decimals" in d.note
+
+
+def test_significant_digits_are_a_rounding():
+    """A `%g` log (digits:6) is rounded like a `.4f` one: exact gives imprecise, the user's
+    --at-source-precision "aligned at 6 significant digits", and a difference at the 6th digit
+    is still one."""
+    from parity.readers.frame import coarser
+
+    assert coarser("digits:6", "float64") == "digits:6"
+    assert coarser("digits:6", "digits:5") == "digits:5"
+    assert coarser("float32", "decimals:4,digits:6") == "float32,decimals:4,digits:6"
+    assert coarser("digits:7", "float32,decimals:3") == "float32,decimals:3,digits:7"
+    full = frame({"m": [0.9168594128, 2.23884, 1.5e-7]})
+    g = frame({"m": [0.916859, 2.23884, 1.5e-7]})
+    g.attrs["precision"] = {"m": "digits:6"}
+    c = compare_frames(full, g)
+    assert c.verdict == "imprecise" and c.metrics["m"].precision == "digits:6"
+    assert "source holds 6 significant digits" in c.table()
+    accepted = compare_frames(full, g, at_source_precision=True)
+    assert accepted.ok and accepted.verdict_text() == "aligned at 6 significant digits"
+    other = frame({"m": [0.916858, 2.23884, 1.5e-7]})
+    d = compare_frames(other, g, at_source_precision=True).metrics["m"]
+    assert d.first_divergent_step == 1 and "judged at 6 significant digits" in d.note
+
+
+@pytest.mark.parametrize("policy", ["ulp:0", "close:0,0", "close:0", "ulp:3@9-,ulp:0"])
+def test_a_zero_tolerance_is_exact_on_a_rounded_log(policy):
+    """ulp:0 and close:0,0 tolerate nothing: on a rounded log they need the full value as
+    exact does (imprecise), not "aligned at 4 decimals"; a real tolerance is the user's
+    choice."""
+    a, b = frame({"m": [2.3456, 1.0]}), frame({"m": [2.3456, 1.0]})
+    b.attrs["precision"] = {"m": "decimals:4"}
+    assert compare_frames(a, b, {"m": "exact"}).verdict == "imprecise"
+    assert compare_frames(a, b, {"m": policy}).verdict == "imprecise"
+    assert compare_frames(a, b, {"m": policy}, at_source_precision=True).ok
+    assert compare_frames(a, b, {"m": "ulp:1"}).verdict_text() == "aligned at 4 decimals"
+    assert compare_frames(a, b, {"m": "close:0,1e-9"}).ok
 
 
 def test_float32_against_decimals_applies_both():

@@ -263,6 +263,30 @@ def test_torchtitan_console_cut_is_fixed_decimals(tmp_path):
     assert frame.loc[3, "loss_metrics/global_avg_loss"] == 9.7004
 
 
+@pytest.mark.parametrize(
+    ("rows", "want"),
+    [
+        ("1 2.3456\n", "decimals:4"),  # one row: no fixed count of decimals to see
+        ("1 2.3456\n2 2.12\n3 1.9876\n", "decimals:4"),  # repr of round(loss, 4)
+        ("1 0.916859\n2 0.0123457\n3 1.5\n", "digits:6"),  # `{loss:g}`
+        ("1 2.345678901234567\n", "float64"),  # one row in full
+        ("1 8.023969650268555\n2 7.7\n", "float64"),
+    ],
+)
+def test_torchtitan_rounding_without_fixed_decimals_is_read_from_the_values(tmp_path, rows, want):
+    """Where no fixed number of decimals decides (one row; Python's repr of round(x, 4), whose
+    trailing zeros go), the values decide as in every text log: an exact policy on `1 2.3456`
+    said "aligned"."""
+    f = tmp_path / "loss.txt"
+    f.write_text("# step loss\n" + rows)
+    frame = read_metrics(f)
+    assert frame.attrs["precision"] == {"loss_metrics/global_avg_loss": want}
+    b = tmp_path / "b_loss.txt"
+    b.write_text(f.read_text())
+    verdict = compare_frames(frame, read_metrics(b)).verdict
+    assert verdict == ("aligned" if want == "float64" else "imprecise")
+
+
 def test_torchtitan_baseline_against_a_run(tmp_path):
     losses = tb_values(30, seed=4)
     base = read_metrics(export_losses(tmp_path / "expected_losses.txt", losses))

@@ -367,6 +367,25 @@ def test_old_run_named_by_its_tag(tmp_path):
     assert frame.attrs["complete"] is False and "status RUNNING" in frame.attrs["notes"][0]
 
 
+@pytest.mark.parametrize(("status", "word"), [(1, "RUNNING"), (4, "FAILED"), (5, "KILLED")])
+def test_an_unfinished_run_is_refused_with_its_status(tmp_path, status, word):
+    """compare names what the reader found (MLflow keeps no end record: its status says it),
+    on one line with the file and the CLI's flag."""
+    from parity.judge.compare import IncompleteRunError, compare_frames
+
+    run = _hand_run(tmp_path, b"1 0.5 0\n")
+    (run / "meta.yaml").write_text(f"run_id: {'a' * 32}\nrun_name: hand\nstatus: {status}\n")
+    frame = read_metrics(run)
+    assert frame.attrs["incomplete"] == f"status {word}"
+    with pytest.raises(IncompleteRunError) as err:
+        compare_frames(frame, frame)
+    assert str(err.value) == (
+        f"{run}: run is incomplete (status {word}); --allow-incomplete to compare anyway"
+    )
+    (run / "meta.yaml").write_text(f"run_id: {'a' * 32}\nrun_name: hand\nstatus: 3\n")
+    assert "incomplete" not in read_metrics(run).attrs  # FINISHED
+
+
 def test_broken_meta_and_empty(tmp_path):
     run = _hand_run(tmp_path, b"")
     with pytest.raises(MetricsError, match="has no metrics that read"):

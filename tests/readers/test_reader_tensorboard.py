@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from parity.readers import MetricsError, detect, read_metrics, tfrecord
 from parity.readers import tensorboard as tb
+from parity.readers.frame import float32_rounded_places
 
 pytest.importorskip("tensorboard")
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2  # noqa: E402
@@ -179,6 +180,71 @@ def test_hf_tensorboard_callback_tags(tmp_path):
     assert same(column(frame, "train/loss"), f32([2.0, 1.0, 2.0 / 3]))
     assert same(column(frame, "eval/loss"), [0.75])
     assert column(frame, "eval/loss").index.tolist() == [3]
+
+
+# --- values rounded before they became float32 ------------------------------------------------
+
+
+def _losses(n: int = 12) -> list[float]:
+    return [2.6 * math.exp(-0.15 * s) + s / 997 for s in range(n)]
+
+
+@pytest.mark.parametrize("places", [3, 4, 5])
+def test_float32_of_rounded_decimals_is_read_at_its_decimals(tmp_path, places):
+    """HF's Trainer logs `round(loss, 4)`, written as a float32 simple_value: read as float32
+    alone, an exact policy said "aligned" of two runs whose losses differ by a float64 ULP."""
+    rounded = [round(x, places) for x in _losses()]
+    full = _losses()
+    events = [event(s, "train/loss", simple=x) for s, x in enumerate(rounded, 1)]
+    events += [event(s, "train/grad_norm", simple=x) for s, x in enumerate(full, 1)]
+    frame = read_metrics(write_events(events_file(tmp_path), events))
+    assert frame.attrs["precision"] == {
+        "train/grad_norm": "float32",
+        "train/loss": f"float32,decimals:{places}",
+    }
+    assert same(frame["train/loss"], f32(rounded))  # the values stay the float32s, bit for bit
+
+
+def test_hf_tensorboard_callback_rounded_loss_is_imprecise(tmp_path):
+    """Through transformers' own TensorBoardCallback, as the Trainer calls it: two runs whose
+    losses differ by one float64 ULP at step 3 log the same rounded float32 (exit 5, not 0)."""
+    integration = pytest.importorskip("transformers.integrations.integration_utils")
+    from parity.judge.compare import compare_frames
+
+    frames = []
+    for side in ("a", "b"):
+        losses = _losses()
+        if side == "b":
+            losses[2] = math.nextafter(losses[2], math.inf)
+        out = tmp_path / side
+        args = SimpleNamespace(output_dir=str(out), to_json_string=lambda: "{}")
+        state = SimpleNamespace(is_world_process_zero=True, is_hyper_param_search=False)
+        cb = integration.TensorBoardCallback()
+        cb.on_train_begin(args, state, None)
+        for step, loss in enumerate(losses, 1):
+            state.global_step = step
+            cb.on_log(args, state, None, logs={"loss": round(loss, 4)})
+        cb.on_train_end(args, state, None)
+        frames.append(read_metrics(out))
+    assert frames[0].attrs["precision"] == {"train/loss": "float32,decimals:4"}
+    c = compare_frames(*frames)
+    assert c.verdict == "imprecise", c.table()
+
+
+def test_float32_computed_in_full_is_not_read_as_rounded():
+    """Float32 losses computed in full fall on a decimal grid by chance only (a chance of the
+    spacing times 10**N per value): 300 series of 12 (fixed seed) read as float32; so do
+    means over 40 samples (all units even or multiples of 5) and values too coarse for the
+    grid to say anything (float32 at 1000 is 6e-5 apart: every one is some 4-place decimal's)."""
+    rng = np.random.default_rng(3)
+    for low, high in ((0.1, 1.0), (1.0, 10.0), (10.0, 100.0)):
+        for _ in range(100):
+            x = f32(rng.uniform(low, high, 12)).astype(np.float64)
+            assert float32_rounded_places(x) is None, x.tolist()
+    means = f32([100 + k / 40 for k in range(1, 400, 37)]).astype(np.float64)
+    assert float32_rounded_places(means) is None
+    coarse = f32([round(1000 + k / 997, 4) for k in range(100, 900, 67)]).astype(np.float64)
+    assert float32_rounded_places(coarse) is None
 
 
 # --- runs, axes, restarts --------------------------------------------------------------------
