@@ -174,9 +174,12 @@ class ParityRunner:
 
     @staticmethod
     def _key(spec: JobSpec) -> tuple:
+        from parity.run.pool import context
+
         launcher = (spec.world_size, spec.nnodes, tuple(spec.torchrun_args))
         env = (spec.distributed, tuple(sorted(spec.env.items())))  # sides apart by env only
-        return tuple(spec.to_args(Path("{out}"))) + launcher + env
+        # and the folder and environment it runs in: a test's chdir or setenv is another run
+        return tuple(spec.to_args(Path("{out}"))) + launcher + env + context()
 
     def job(self, spec: JobSpec, separate: bool = False):
         """The run of `spec`; separate=True: one launched on its own, never a pooled or

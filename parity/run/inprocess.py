@@ -36,15 +36,13 @@ FOLDER = "in-process"  # the launch's own folder in a pair folder: launcher.log,
 
 def refusal(spec_a: JobSpec, spec_b: JobSpec) -> str | None:
     """Why these two jobs cannot share one launch (one line), or None when they can."""
-    for name in ("world_size", "nnodes", "torchrun_args", "preload"):
+    for name in ("world_size", "nnodes", "torchrun_args", "preload", "env"):
         va, vb = getattr(spec_a, name), getattr(spec_b, name)
         if va != vb:
             return f"in-process mode needs the same {name} on both sides ({va!r} vs {vb!r})"
     if spec_a.nnodes > 1:
         return f"in-process mode runs on one node, not {spec_a.nnodes}"
     for label, spec in (("a", spec_a), ("b", spec_b)):
-        if spec.env:
-            return f"in-process mode shares one environment; side {label} sets env of its own"
         if not spec.distributed:
             return f"in-process mode runs distributed jobs; side {label} is distributed = false"
         args = dataclasses.replace(spec, inject=[]).to_args(Path("{out}"))
@@ -106,6 +104,7 @@ def run_pair_in_process(
                 nproc=spec_a.nproc_per_node,
                 run_dir=here,
                 timeout_s=spec_a.timeout_s + spec_b.timeout_s,
+                env=spec_a.env,  # both sides' (refusal): the launch's, as each side's own
                 torchrun_args=spec_a.torchrun_args,
                 on_tick=progress.tick,
             )

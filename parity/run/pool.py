@@ -58,6 +58,7 @@ class Pool:
         preload: Sequence[str] = (),
     ):
         self.folder = Path(folder).resolve()
+        self.context = context()  # what its ranks start with, and every job of it runs in
         self.queue = self.folder / "queue"
         self.nproc, self.torchrun_args = nproc, list(torchrun_args)
         self.preload = list(preload)  # what its ranks import before forking a job
@@ -200,9 +201,22 @@ class Pool:
         self._ended.wait()
 
 
+#: variables that change between tests and that no job reads: not part of a pool's context
+_VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+
+def context() -> tuple:
+    """The folder and the environment a launch starts its job in, as a plain launch would now:
+    a pool's ranks keep the ones they started with, so a job runs in a pool only while they are
+    this process's own (a test's monkeypatch.chdir or setenv starts a new pool)."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE))
+    return os.getcwd(), env
+
+
 class Pools:
     """Warm pools by launcher shape (ranks per node, torchrun args) and preload list: started on
-    first use, replaced after a failure, closed together."""
+    first use, replaced after a failure or once this process's folder or environment is not the
+    one the pool started with (``context``), closed together."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -214,6 +228,8 @@ class Pools:
         """Why `spec` cannot run in a pool (one line), or None."""
         from parity.run.inprocess import refusal
 
+        if spec.env:  # the pool's ranks started with this process's environment alone
+            return "a warm pool runs its jobs in the environment it started with; this job sets env"
         return refusal(spec, spec)
 
     def run(self, spec: JobSpec, out: Path) -> Run | None:
@@ -222,7 +238,7 @@ class Pools:
             return None
         key = (spec.nproc_per_node, tuple(spec.torchrun_args), tuple(spec.preload))
         pool = self._pools.get(key)
-        if pool is None or not pool.alive:
+        if pool is None or not pool.alive or pool.context != context():
             if pool is not None:
                 pool.kill()
             name = f"pool{self._started:02d}-w{spec.nproc_per_node}"

@@ -82,6 +82,12 @@ def test_refusals_are_one_line():
     assert base.preload == ["worker.boot"]  # the preset's
     reason = refusal(base, dataclasses.replace(base, preload=[]))
     assert reason and "same preload" in reason
+    with_env = dataclasses.replace(base, env={"OMP_NUM_THREADS": "2"})
+    assert refusal(with_env, dataclasses.replace(with_env, trainer="legacy")) is None  # shared
+    assert "same env" in refusal(base, with_env)
+    from parity.run.pool import Pools
+
+    assert "env" in Pools.refusal(with_env) and Pools.refusal(base) is None
 
 
 @subject  # the command's own process knows the subject's presets only when it is installed

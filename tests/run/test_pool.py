@@ -133,6 +133,46 @@ def test_a_pool_rank_whose_preload_fails_runs_nothing(tmp_path):
     assert not (tmp_path / "logs").exists() and not list(queue.glob("done-*"))
 
 
+def test_a_pool_runs_a_job_only_in_the_folder_and_environment_it_started_in(tmp_path, monkeypatch):
+    """A pool's ranks keep the folder and the variables they started with; a plain launch takes
+    this process's at each job. So once a test changes them (monkeypatch.chdir, setenv), the
+    next job gets a new pool, and the session's cache of runs a new run: never the old ones."""
+    import parity.run.pool
+
+    started: list[tuple] = []
+
+    class FakePool:
+        def __init__(self, folder, nproc, torchrun_args, preload):
+            self.context, self.alive = parity.run.pool.context(), True
+            started.append(self.context)
+
+        def run(self, spec, out):
+            return None
+
+        def kill(self):
+            self.alive = False
+
+    monkeypatch.setattr(parity.run.pool, "Pool", FakePool)
+    pools = Pools(tmp_path / "pools")
+    spec = JobSpec(task="charcount-sft", world_size=2)
+    monkeypatch.chdir(tmp_path)
+    pools.run(spec, tmp_path / "one")
+    pools.run(spec, tmp_path / "two")  # nothing changed: the same pool
+    assert len(started) == 1
+    (tmp_path / "hard").mkdir()
+    monkeypatch.chdir(tmp_path / "hard")
+    pools.run(spec, tmp_path / "three")
+    monkeypatch.setenv("PROBE_MODE", "hard")
+    pools.run(spec, tmp_path / "four")
+    assert len(started) == 3 and started[1][0] == str(tmp_path / "hard")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test (call)")  # pytest's own: the same
+    pools.run(spec, tmp_path / "five")
+    assert len(started) == 3
+    key = ParityRunner._key(spec)
+    monkeypatch.chdir(tmp_path)
+    assert ParityRunner._key(spec) != key
+
+
 def test_runner_launches_alone_what_a_pool_cannot_run(tmp_path, monkeypatch):
     """A job the pool refuses (two nodes) or fails on is launched alone, in a folder of its own;
     one that ran in the pool is cached, and `separate=True` still launches."""
