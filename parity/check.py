@@ -146,8 +146,10 @@ def run_in_tree(
     result = launch_spec(
         spec, run_dir, label, cwd=tree, env=env, origin=origin(tree, carry), early=early
     )
-    if result.stopped_early:
+    if result.stopped_early and not result.fault:  # a wrong world fails below
         return result
+    if result.fault and result.stopped_early:
+        raise LaunchError(result, label)
     if not result.ok:
         whole = mark_teardown(result, metrics_path(run_dir), result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash
@@ -416,12 +418,15 @@ class Stored:
             self._put(side, run)
 
     def _put(self, side: str, run: Run) -> None:
-        """``run`` in the store under ``side``'s key, where it finished whole."""
+        """``run`` in the store under ``side``'s key, where it finished whole; with --fresh in
+        place of what was stored (that may be stale: the fresh run is what now holds)."""
         if self.store is None or not run.launch.ok or skipped_count(run.metrics):
             return
         meta = {"rev": self.revs[side], "commit": self.commits[side],
                 "seconds": run.launch.duration_s}  # fmt: skip
         with contextlib.suppress(OSError):  # a full disk costs the next check a run
+            if self.fresh:
+                self.store.forget(self.keys[side])
             self.store.put(self.keys[side], run.dir, meta)
 
     def label(self, label: str) -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from parity.record.files import write_text_atomic
 
-__all__ = ["launch_dir", "write_json_atomic", "write_text_atomic"]
+__all__ = ["launch_dir", "open_regular", "write_json_atomic", "write_text_atomic"]
 
 LAUNCH_SUFFIX = ".launch"
 #: in a launch folder: the folder the job ran in, and the worktree it was (report: Reproduce)
@@ -32,3 +33,17 @@ def launch_dir(run_dir: Path) -> Path:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened to read, never blocking: what a running job writes, polled while it runs
+    (its metrics file). OSError where it is not a regular file: a FIFO would block the open,
+    and with it the loop that enforces the job's timeout; a device (/dev/zero) never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

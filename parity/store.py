@@ -5,16 +5,18 @@ request against the same main until main moves).
 The key (`run_key`) is a hash of: the revision's git tree (its content, not its commit: a
 squash-merge of an up-to-date branch has its head's tree), the digests of the inputs carried into
 it, the job spec as given (launcher and topology included), and the environment the run will
-have: Python, the interpreter's path, every installed distribution and its version, the harness's
-version, the machine, its CPU's instruction sets and vendor, the GPUs the driver lists, and the
-variables that change kernels or code (threads, BLAS, CUDA, NCCL, torch, PYTHONPATH...).
-`key.json` beside each stored run lists them, for a person asking why a run was or was not
-reused.
+have: Python, the interpreter's path, every installed distribution and its version, the code no
+version pins (each PYTHONPATH folder's and editable install's Python sources and extension
+modules, by content), the harness's version, the machine, its CPU's instruction sets and
+vendor, the GPUs the driver lists, and the variables that change kernels or code (threads,
+BLAS, oneDNN, CUDA, NCCL, torch, PYTHONPATH, LD_LIBRARY_PATH, LD_PRELOAD...). `key.json`
+beside each stored run lists them, for a person asking why a run was or was not reused.
 
-A key can still miss a cause (a data file outside git that the job reads, and that nobody
-carried): so a reused run is only ever trusted when it agrees. `parity check` runs the head, and
-where the reused base and the head do not agree it runs the base again before it gives a verdict
-(parity.check), so a stale key costs a run, never a verdict.
+A key can still miss a cause (a data file the job reads by an absolute path outside git, that
+nobody carried). Where the reused base and the head do not agree, `parity check` runs the base
+again before it gives a verdict (parity.check), so there a stale key costs a run; where they
+agree, the key is trusted: a cause it misses can let a stale base agree with a head that a fresh
+base would not (`--fresh` runs it, and replaces what was stored).
 
 Layout, in a folder of the harness's own (marked by ``.parity-store``; any other folder is refused,
 so nothing of the user's is ever evicted)::
@@ -79,10 +81,15 @@ _CHUNK = 1 << 20
 
 #: environment variables that change which kernels run or which code is imported (the key holds
 #: each one set); the store's own are not among them
-KEY_VARIABLES = ("PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG")
+KEY_VARIABLES = ("PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "CUBLAS_WORKSPACE_CONFIG",
+                 "LD_LIBRARY_PATH", "LD_PRELOAD")  # fmt: skip
 KEY_PREFIXES = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "ATEN_", "TORCH", "PYTORCH_", "NCCL_",
-                "CUDA_", "CUDNN_", "NVIDIA_", "HIP_", "ROCM_", "XLA_", "PARITY_")  # fmt: skip
+                "CUDA_", "CUDNN_", "NVIDIA_", "HIP_", "ROCM_", "XLA_", "DNNL_", "ONEDNN_",
+                "PARITY_")  # fmt: skip
 _NOT_KEY = (STORE_ENV, MAX_ENV)
+CODE_SUFFIXES = (".py", ".so", ".pyd", ".pth")  # what a code folder's key is made of
+MAX_CODE_BYTES = 512 << 20  # a code folder with more is not read: no run of it is reused
+_SKIPPED_DIRS = ("__pycache__", "node_modules")  # and every folder whose name starts with "."
 
 
 class StoreError(InputError):
@@ -163,7 +170,8 @@ def environment_facts(env: Mapping[str, str]) -> dict[str, Any]:
 
     from parity.record.env import cpu_facts
 
-    packages = sorted({(d.metadata["Name"] or "", d.version) for d in metadata.distributions()})
+    distributions = list(metadata.distributions())
+    packages = sorted({(d.metadata["Name"] or "", d.version) for d in distributions})
     try:
         cpu = cpu_facts(Path("/proc/cpuinfo").read_text())
     except OSError:
@@ -179,7 +187,41 @@ def environment_facts(env: Mapping[str, str]) -> dict[str, Any]:
         "gpus": _gpus(),
         "variables": {k: v for k, v in sorted(env.items())
                       if k not in _NOT_KEY and (k in KEY_VARIABLES or k.startswith(KEY_PREFIXES))},
+        "code": {str(f): _folder_state(f) for f in code_folders(env, distributions)},
     }  # fmt: skip
+
+
+def code_folders(env: Mapping[str, str], distributions: Sequence[Any]) -> list[Path]:
+    """The folders of code a job may import that no distribution's version pins: PYTHONPATH's
+    entries and the sources of editable installs (``pip install -e``: their code changes, their
+    version does not)."""
+    found = [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for dist in distributions:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            url = json.loads(dist.read_text("direct_url.json") or "null")
+            if url and url.get("dir_info", {}).get("editable") and url["url"].startswith("file:"):
+                found.append(Path(url["url"].removeprefix("file://")))
+    return sorted({p.absolute() for p in found})
+
+
+def _folder_state(folder: Path) -> str:
+    """A digest of the code under ``folder``: every Python source, extension module and .pth
+    file, by path and content (so a fresh clone of the same code has the same key). A folder
+    holding more than MAX_CODE_BYTES of them is not read: its state is new each time, so no run
+    of it is reused."""
+    h = hashlib.sha256()
+    count = size = 0
+    for top, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS)
+        for name in sorted(f for f in files if f.endswith(CODE_SUFFIXES)):
+            path = os.path.join(top, name)
+            with contextlib.suppress(OSError):
+                size += os.path.getsize(path)
+                if size > MAX_CODE_BYTES:
+                    return f"over {MAX_CODE_BYTES >> 20} MiB of code: not read ({uuid.uuid4().hex})"
+                h.update(f"{os.path.relpath(path, folder)}\0{_sha256(Path(path))}\n".encode())
+                count += 1
+    return f"{count} files {h.hexdigest()[:32]}"
 
 
 def _harness_version() -> str | None:
@@ -218,10 +260,11 @@ class RunStore:
         if root.is_dir() and not (root / MARK).is_file() and any(root.iterdir()):
             raise StoreError(f"{root}: a folder that is not a parity run store (no {MARK}); "
                              "give the store an empty or new folder")  # fmt: skip
-        try:
-            for sub in ("runs", "tmp"):
-                (root / sub).mkdir(parents=True, exist_ok=True)
+        try:  # the mark first: a command opening it meanwhile sees a store, never a folder
+            root.mkdir(parents=True, exist_ok=True)  # that holds runs/ but no mark yet
             (root / MARK).touch()
+            for sub in ("runs", "tmp"):
+                (root / sub).mkdir(exist_ok=True)
         except OSError as e:
             raise StoreError(f"{root}: cannot write the run store: {e.strerror or e}") from None
 

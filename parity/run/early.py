@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from parity.files import open_regular
 from parity.judge.compare import Comparison, compare_frames
 from parity.judge.policy import Policies
 from parity.readers import MetricsError, read_metrics
@@ -75,7 +76,7 @@ class EarlyStop:
         """Take what the job appended since the last call (whole lines); False when the file
         is unreadable or was rewritten (then nothing is judged any more: the whole run is)."""
         try:
-            with open(self.metrics_file, "rb") as f:
+            with open_regular(self.metrics_file) as f:
                 if f.seek(0, 2) < self.offset:
                     return False
                 f.seek(self.offset)

@@ -24,10 +24,11 @@ from typing import Any
 
 import pandas as pd
 
-from parity.files import REPRODUCE_FILE, launch_dir, write_json_atomic
+from parity.files import REPRODUCE_FILE, launch_dir, open_regular, write_json_atomic
 from parity.outdir import OutDir
 from parity.readers import FORMATS, MetricsError, detect, read_metrics
 from parity.record.runfolder import METRICS, manifest_path, metrics_path
+from parity.run import world
 from parity.run.early import EarlyStop
 from parity.run.launch import (
     Launcher,
@@ -67,7 +68,7 @@ def steps_logged(metrics_file: Path) -> int:
     """How many steps a running job has written so far (for progress, not for results): the
     distinct steps of its records, a step logged in two calls once."""
     try:
-        with open(metrics_file, "rb") as f:
+        with open_regular(metrics_file) as f:
             return len({m[1] for line in f if (m := _STEP.match(line))})
     except OSError:
         return 0
@@ -162,7 +163,7 @@ def end_record_written(metrics_file: Path, since: float) -> bool:
     try:
         if metrics_file.stat().st_mtime < since - 1.0:
             return False
-        with open(metrics_file, "rb") as f:
+        with open_regular(metrics_file) as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 256))
             last = f.read().rstrip().rsplit(b"\n", 1)[-1]
     except OSError:
@@ -228,7 +229,9 @@ def launch_spec(
         since = time.time()
         on_tick = progress.tick
         if spec.launcher.kind != "slurm":  # Slurm: the timeout alone (docs/clusters.md)
-            on_tick = _watching(progress, StallWatch(metrics_path(out), spec.stall), early)
+            ranks = expect_world(spec)
+            used = (lambda: world.used(logs / "world")) if ranks and ranks > 1 else None
+            on_tick = _watching(progress, StallWatch(metrics_path(out), spec.stall), early, used)
         request = LaunchRequest(
             spec.to_args(out),
             nproc=spec.nproc_per_node,
@@ -269,17 +272,27 @@ def expect_world(spec: JobSpec) -> int | None:
 
 
 def _watching(
-    progress: Progress, watch: StallWatch, early: EarlyStop | None = None
+    progress: Progress,
+    watch: StallWatch,
+    early: EarlyStop | None = None,
+    world_used: Callable[[], bool] | None = None,
 ) -> Callable[[], None]:
     """The launch's on_tick: the progress display, then the stall check (which raises
     parity.run.stall.Stalled; the launcher then takes each rank's stack and kills the job),
-    then the early stop's judgement (parity.run.early.Diverging: the launcher stops the job)."""
+    then the early stop's judgement (parity.run.early.Diverging: the launcher stops the job),
+    once ``world_used`` says the ranks' group carried a collective (parity.run.world.used):
+    a run whose ranks each train alone runs to its end and fails the world check, never
+    stopped as diverged."""
+    proven = world_used is None
 
     def tick() -> None:
+        nonlocal proven
         progress.tick()
         watch.check()
         if early is not None:
-            early.check()
+            proven = proven or world_used()
+            if proven:
+                early.check()
 
     return tick
 
@@ -342,8 +355,10 @@ def run_job(
     """
     out = Path(out).resolve()
     result = launch_spec(spec, out, label or out.name, exit_grace_s=exit_grace_s, early=early)
-    if result.stopped_early and early is not None:
+    if result.stopped_early and early is not None and not result.fault:
         return stopped_run(spec, out, result, early)
+    if result.fault and result.stopped_early:  # stopped as it diverged, in a wrong world
+        raise LaunchError(result, label or "")
     if not result.ok:
         metrics = mark_teardown(result, metrics_path(out), result.started_at)
         if metrics is None or not allow_teardown_failure:

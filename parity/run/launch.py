@@ -195,7 +195,7 @@ def launch(request: LaunchRequest) -> LaunchResult:
         ended = _supervise(cmd, env, request, stdout=log, stderr=subprocess.STDOUT,
                            world_dir=world_dir)  # fmt: skip
     result = ended.result(run_dir, launcher_log, find_rank_logs(log_dir, before), world_dir)
-    if request.expect_world is not None and not result.stopped_early:  # killed: no exit record
+    if request.expect_world is not None:  # stopped early too: only once its world was used
         result.set_fault("world", world.judge(world_dir, request.expect_world))
     if not result.ok and not result.timed_out and not result.stalled and not result.stopped_early:
         result.failures = parse_failures(launcher_log.read_text(errors="replace"), result)
@@ -246,7 +246,7 @@ def launch_plain(request: LaunchRequest) -> LaunchResult:
         log.write(f"# exited: {ended.returncode}{how}\n")
     result = ended.result(run_dir, launcher_log, {0: rank_dir / "stderr.log"}, world_dir)
     result.started_as = "job (one process, no torchrun)"
-    if request.expect_world is not None and request.expect_world > 1 and not result.stopped_early:
+    if request.expect_world is not None and request.expect_world > 1:
         result.set_fault("world", world.judge(world_dir, request.expect_world))
     code = result.returncode
     if not (result.ok or result.timed_out or result.stalled or result.stopped_early) and code:

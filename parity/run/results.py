@@ -76,8 +76,8 @@ class LaunchResult:
         """
         if self.ok:
             return "ok"
-        if self.stopped_early:
-            return "stopped-early"
+        if self.stopped_early:  # stopped as it diverged; a wrong world is failed all the same
+            return self.fault_kind if self.fault else "stopped-early"
         if self.fault and self.returncode == 0 and not self.timed_out:
             return self.fault_kind
         if self.output_complete:
@@ -150,7 +150,7 @@ class LaunchResult:
         where = f"run dir {self.run_dir}"
         if self.ok:
             return f"{self.started_as} succeeded in {self.duration_s:.1f} s ({where})"
-        if self.stopped_early:
+        if self.stopped_early and not self.fault:
             return f"{self.started_as} {self.stopped_early} after {self.duration_s:.1f} s ({where})"
         if self.reason == self.fault_kind and self.fault:  # ranks exited 0, yet it failed
             return f"{self.fault} (launch logs: {self.run_dir})"

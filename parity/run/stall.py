@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from parity.files import open_regular
+
 AUTO, OFF = "auto", "off"
 #: "auto": this many times the slowest step so far ...
 FACTOR = 5.0
@@ -76,7 +78,7 @@ class StallWatch:
     def poll(self) -> None:
         """Read what the job appended since the last poll; a new step moves the clock."""
         try:
-            with open(self.metrics_file, "rb") as f:
+            with open_regular(self.metrics_file) as f:
                 if f.seek(0, 2) < self.offset:  # rewritten shorter (a resume): read it again,
                     self.offset, self.partial = 0, b""  # its steps written anew are progress
                     self.steps.clear()

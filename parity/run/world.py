@@ -69,6 +69,19 @@ def read_records(world_dir: Path) -> list[RankRecord]:
     return records
 
 
+def used(world_dir: Path) -> bool:
+    """Whether some rank's record already shows a collective through its group: a run may then
+    be stopped early (parity.run.early) and still be judged whole by ``judge``; until then it
+    runs on, so that a world that never carries anything is failed, never stopped as diverged."""
+    groups = [r.group for r in read_records(world_dir)]
+    return any(isinstance(g, dict) and _is_int(g.get("collectives")) and g["collectives"] > 0
+               for g in groups)  # fmt: skip
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def judge(world_dir: Path, world_size: int) -> str:
     """'' when ``world_size`` rank processes formed one group of that size, each with its own
     rank, and used it (a world of 1: one process, group or not); else one line saying what

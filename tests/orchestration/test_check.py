@@ -160,6 +160,47 @@ def test_bad_revision_is_bad_input(repo, tmp_path, monkeypatch, capsys):
     assert snapshot(repo) == before
 
 
+ALONE_JOB = """\
+import sys, time
+import torch, torch.distributed as dist
+from parity.record import Recorder
+ALONE = {alone}
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+rec = Recorder(sys.argv[1])
+rec.manifest({{}})
+w = torch.ones(4)
+for step in range(1, 5):
+    g = w * (rank + 1)
+    if not ALONE:
+        dist.all_reduce(g)
+    w = w - 0.1 * g
+    rec.log(step, {{"train/loss": float(w.sum())}})
+    time.sleep(0.5)
+rec.finish()
+dist.destroy_process_group()
+"""
+
+
+def test_a_head_whose_ranks_train_alone_fails_the_world_check_not_stopped_as_diverged(
+    tmp_path, monkeypatch, capsys
+):
+    """The head joins a group of 2 and never sends anything through it (each rank trains
+    alone), so its loss differs from the base's at step 1. Judged as it runs, it used to be
+    stopped there and called diverged (exit 1) without its world judged; a run is stopped
+    early only once its group carried a collective, so this one runs on and fails (exit 3)."""
+    repo = new_repo(tmp_path / "repo")
+    spec = SPEC.replace('"job.py", "--out", "{out}"', '"job.py", "{out}"')
+    commit(repo, "base", {"job.py": ALONE_JOB.format(alone=False), "spec.toml": spec})
+    commit(repo, "head: each rank alone", {"job.py": ALONE_JOB.format(alone=True)})
+    monkeypatch.chdir(repo)
+    code = main(["check", "--base", "HEAD~1", "--spec", "spec.toml", "--no-trace",
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "none sent anything through it" in err, err
+
+
 @pytest.mark.parametrize("failure", ["run failed", "exception"])
 def test_worktree_is_removed_when_the_run_fails(repo, tmp_path, monkeypatch, capsys, failure):
     """No real launch: the fake launcher fails inside the worktree, which must then be gone."""

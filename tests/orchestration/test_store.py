@@ -112,6 +112,29 @@ def test_the_key_moves_with_what_decides_the_numbers():
     assert facts["python"] == sys.version and facts["cpu_isa"] is not None
 
 
+def test_the_code_no_version_pins_is_in_the_key(tmp_path):
+    """A folder on PYTHONPATH (or an editable install's source) is code no distribution's
+    version pins: its Python files' content moves the key (a library edited in place), their
+    times alone do not (a fresh clone of the same code), and neither do its other files."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "kernel.py").write_text("def f(x):\n    return x * 2\n")
+    env = {"PYTHONPATH": str(lib)}
+    before = run_key(_spec(), "tree1", [], env)
+    assert before.facts["environment"]["code"][str(lib)].startswith("1 files ")
+    os.utime(lib / "kernel.py", (1, 1))
+    (lib / "notes.txt").write_text("not code\n")
+    (lib / "__pycache__").mkdir()
+    (lib / "__pycache__" / "kernel.cpython-311.pyc").write_bytes(b"\0")
+    assert run_key(_spec(), "tree1", [], env) == before
+    (lib / "kernel.py").write_text("def f(x):\n    return x + x\n")
+    assert run_key(_spec(), "tree1", [], env) != before
+    for name, value in (("LD_PRELOAD", "/opt/libfast.so"), ("DNNL_MAX_CPU_ISA", "AVX2")):
+        assert run_key(_spec(), "tree1", [], {**env, name: value}) != run_key(
+            _spec(), "tree1", [], env
+        ), name
+
+
 def test_the_store_keeps_within_its_size_least_recently_used_first(tmp_path):
     keys = [RunKey(f"{n}" * 32, {}) for n in range(3)]
     RunStore(tmp_path / "store").put(keys[0], _run(tmp_path / "run0"), {})
@@ -328,6 +351,26 @@ def test_a_stale_or_edited_stored_base_never_decides_the_verdict(
     assert stored.read_text() == clean  # the fresh run took its place
     notes = (tmp_path / "three" / "report.md").read_text()
     assert "stale, removed from the store" in notes
+
+
+@pytest.mark.parity
+def test_fresh_runs_replace_what_was_stored(history, tmp_path, launches, capsys):
+    """A stored base that is stale where the head agrees with it cannot be told from the head
+    (the key missed a cause): `--fresh` runs it again, and its run replaces the stored one, so
+    the next check reuses the fresh run, not the stale one."""
+    store = tmp_path / "store"
+    _check(history, tmp_path / "one", store, capsys)
+    stored = _stored_metrics(store, commit_of(history, 1))
+    clean = stored.read_text()
+    _make_stale(stored)
+    launches.runs.clear()
+    code, fresh, _ = _check(history, tmp_path / "two", store, capsys, 1, 2, "--fresh")
+    assert code == 0 and launches.runs == ["base", "head"] and "reused" not in fresh["base"]
+    stored = _stored_metrics(store, commit_of(history, 1))
+    assert stored.read_text() == clean  # the fresh run took the stale one's place
+    launches.runs.clear()
+    code, again, _ = _check(history, tmp_path / "three", store, capsys)
+    assert code == 0 and launches.runs == ["head"] and again["base"]["reused"]["stale"] is False
 
 
 @pytest.mark.parity

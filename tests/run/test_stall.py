@@ -117,6 +117,39 @@ def test_a_plain_job_s_own_ranks_are_named_where_they_wait(tmp_path: Path) -> No
     assert sorted(p.name for p in result.stack_files) == ["rank0.txt", "rank1.txt"]
 
 
+FIFO_JOB = """\
+import os, sys, time
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+os.mkfifo(os.path.join(out, "metrics.jsonl"))  # an open of it blocks until a writer comes
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parity
+def test_a_metrics_file_that_is_a_fifo_cannot_stop_the_timeout(tmp_path: Path) -> None:
+    """The harness polls the metrics file while the job runs; a FIFO there blocked that open,
+    and with it the loop that enforces the timeout: the command hung for good. It is now no
+    file to read, and the job is stopped at its timeout (exit 3)."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "fifo_job.py"
+    job.write_text(FIFO_JOB)
+    spec = tmp_path / "pair.toml"
+    spec.write_text(f'task = "custom"\ndistributed = false\ntimeout_s = 4\n'
+                    f'command = ["{job}", "{{out}}"]\n')  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "parity.cli", "pair", "--spec", str(spec), "--out",
+         str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "timed out" in done.stderr or "timeout" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - start < 60
+    assert procs_mentioning(str(tmp_path / "out")) == []
+
+
 def test_a_job_that_ends_normally_leaves_no_stacks_folder(tmp_path: Path) -> None:
     from parity.run.launch import LaunchRequest, launch_plain
 
