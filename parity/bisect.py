@@ -236,6 +236,8 @@ class _Bisection:
         if self.store is not None and launch.ok and not skipped_count(self.reading.frame(run_dir)):
             meta = {"rev": commit, "commit": commit, "seconds": launch.duration_s}
             with contextlib.suppress(OSError):  # a full disk costs a later command a run
+                if self.fresh or fresh:  # run again whatever was stored: it takes the place
+                    self.store.forget(self.key(commit))
                 self.store.put(self.key(commit), run_dir, meta)
         return ""
 

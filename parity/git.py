@@ -154,19 +154,21 @@ def _remove_worktree(repo: Path, tmp: Path, path: Path) -> None:
     """Remove the worktree at ``path`` and its entry in the repository, and no other: ``git
     worktree prune`` would also drop the entries of the user's own worktrees whose folders are
     away (moved, on a disk not mounted), their index and staged changes with them."""
+    checkout = os.path.realpath(path / ".git")  # as git writes it (/var is /private/var...)
     if path.exists():
         _git_unchecked(repo, "worktree", "remove", "--force", str(path))
     shutil.rmtree(tmp, ignore_errors=True)
     for entry in _worktree_entries(repo):  # what `worktree remove` could not take (gone)
-        if _entry_checkout(entry) == path / ".git":
+        found = _entry_checkout(entry)
+        if found is not None and os.path.realpath(found) == checkout:
             shutil.rmtree(entry, ignore_errors=True)
 
 
 def _worktree_entries(repo: Path) -> list[Path]:
     """The folders git keeps each linked worktree's HEAD, index and checkout path in
     (``$GIT_COMMON_DIR/worktrees/<id>``, gitrepository-layout(5))."""
-    try:
-        common = Path(git(repo, "rev-parse", "--path-format=absolute", "--git-common-dir"))
+    try:  # relative to the repository where git prints it so (before 2.31's --path-format)
+        common = Path(repo) / git(repo, "rev-parse", "--git-common-dir")
     except RevisionError:
         return []
     folder = common / "worktrees"

@@ -7,9 +7,10 @@ squash-merge of an up-to-date branch has its head's tree), the digests of the in
 it, the job spec as given (launcher and topology included), and the environment the run will
 have: Python, the interpreter's path, every installed distribution and its version, the code no
 version pins (each PYTHONPATH folder's and editable install's Python sources and extension
-modules, by content), the harness's version, the machine, its CPU's instruction sets and
-vendor, the GPUs the driver lists, and the variables that change kernels or code (threads,
-BLAS, oneDNN, CUDA, NCCL, torch, PYTHONPATH, LD_LIBRARY_PATH, LD_PRELOAD...). `key.json`
+modules, by content, outside the repository being checked), the harness's version, the
+machine, its CPU's instruction sets and vendor, the GPUs the driver lists, and the variables
+that change kernels or code (threads, BLAS, oneDNN, CUDA, NCCL, torch, PYTHONPATH,
+LD_LIBRARY_PATH, LD_PRELOAD...). `key.json`
 beside each stored run lists them, for a person asking why a run was or was not reused.
 
 A key can still miss a cause (a data file the job reads by an absolute path outside git, that
@@ -52,6 +53,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from parity.errors import InputError
 from parity.files import write_json_atomic
@@ -89,6 +92,7 @@ KEY_PREFIXES = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "ATEN_", "TORCH", "PYTORCH_
 _NOT_KEY = (STORE_ENV, MAX_ENV)
 CODE_SUFFIXES = (".py", ".so", ".pyd", ".pth")  # what a code folder's key is made of
 MAX_CODE_BYTES = 512 << 20  # a code folder with more is not read: no run of it is reused
+MAX_CODE_FILES = 200_000  # nor one of more files and folders (a data folder on PYTHONPATH)
 _SKIPPED_DIRS = ("__pycache__", "node_modules")  # and every folder whose name starts with "."
 
 
@@ -102,6 +106,9 @@ class RunKey:
 
     digest: str
     facts: dict[str, Any]
+    #: False where the key could not hold everything it should (a code folder too big to
+    #: read): such a run is neither taken from the store nor put into it
+    reusable: bool = True
 
 
 @dataclass
@@ -140,7 +147,7 @@ def commit_key(spec: JobSpec, repo: Path, commit: str, carried: Carry | None = N
     """The key of a run of ``spec`` at ``commit`` of ``repo`` with the inputs ``carried``
     (parity.carry) copied into its worktree: check's and bisect's runs."""
     inputs = [c.to_dict() for c in carried.carried] if carried is not None else []
-    return run_key(spec, tree_of(repo, commit), inputs)
+    return run_key(spec, tree_of(repo, commit), inputs, repo=repo)
 
 
 def run_key(
@@ -148,24 +155,29 @@ def run_key(
     tree: str,
     carried: Sequence[Mapping[str, Any]] = (),
     env: Mapping[str, str] | None = None,
+    repo: Path | None = None,
 ) -> RunKey:
     """The key of a run of ``spec`` in the git tree ``tree`` with the inputs ``carried``
-    (parity.carry's path/size/sha256), in this environment (``env``: os.environ)."""
+    (parity.carry's path/size/sha256), in this environment (``env``: os.environ). ``repo``: the
+    repository ``tree`` is of, whose code the tree keys already (an editable install of the
+    project being checked is its checkout: a pull request's edits must not move main's key)."""
     facts = {
         "tree": tree,
         "carried": sorted(
             ({"path": c["path"], "sha256": c["sha256"]} for c in carried), key=lambda c: c["path"]
         ),  # fmt: skip
         "spec": spec.to_dict(),
-        "environment": environment_facts(os.environ if env is None else env),
+        "environment": environment_facts(os.environ if env is None else env, repo),
     }
     text = json.dumps(facts, sort_keys=True, default=str)
-    return RunKey(hashlib.sha256(text.encode()).hexdigest()[:32], facts)
+    reusable = None not in facts["environment"]["code"].values()
+    return RunKey(hashlib.sha256(text.encode()).hexdigest()[:32], facts, reusable)
 
 
-def environment_facts(env: Mapping[str, str]) -> dict[str, Any]:
+def environment_facts(env: Mapping[str, str], repo: Path | None = None) -> dict[str, Any]:
     """What of this machine and interpreter can change a run's numbers, read without starting
-    the job (and without importing torch)."""
+    the job (and without importing torch); the code folders outside ``repo`` (None: one too
+    big to read)."""
     from importlib import metadata
 
     from parity.record.env import cpu_facts
@@ -187,41 +199,58 @@ def environment_facts(env: Mapping[str, str]) -> dict[str, Any]:
         "gpus": _gpus(),
         "variables": {k: v for k, v in sorted(env.items())
                       if k not in _NOT_KEY and (k in KEY_VARIABLES or k.startswith(KEY_PREFIXES))},
-        "code": {str(f): _folder_state(f) for f in code_folders(env, distributions)},
+        "code": {str(f): _folder_state(f) for f in code_folders(env, distributions, repo)},
     }  # fmt: skip
 
 
-def code_folders(env: Mapping[str, str], distributions: Sequence[Any]) -> list[Path]:
+def code_folders(
+    env: Mapping[str, str], distributions: Sequence[Any], repo: Path | None = None
+) -> list[Path]:
     """The folders of code a job may import that no distribution's version pins: PYTHONPATH's
     entries and the sources of editable installs (``pip install -e``: their code changes, their
-    version does not)."""
+    version does not). Not those in ``repo`` (its tree is keyed), nor a site-packages (its
+    distributions are)."""
     found = [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     for dist in distributions:
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             url = json.loads(dist.read_text("direct_url.json") or "null")
             if url and url.get("dir_info", {}).get("editable") and url["url"].startswith("file:"):
-                found.append(Path(url["url"].removeprefix("file://")))
-    return sorted({p.absolute() for p in found})
+                found.append(Path(url2pathname(urlparse(url["url"]).path)))
+    inside = Path(os.path.realpath(repo)) if repo is not None else None
+    folders = set()
+    for folder in found:
+        real = Path(os.path.realpath(folder))
+        if real.name in ("site-packages", "dist-packages"):
+            continue
+        if inside is not None and (real == inside or inside in real.parents):
+            continue
+        folders.add(folder.absolute())
+    return sorted(folders)
 
 
-def _folder_state(folder: Path) -> str:
+def _folder_state(folder: Path) -> str | None:
     """A digest of the code under ``folder``: every Python source, extension module and .pth
-    file, by path and content (so a fresh clone of the same code has the same key). A folder
-    holding more than MAX_CODE_BYTES of them is not read: its state is new each time, so no run
-    of it is reused."""
-    h = hashlib.sha256()
-    count = size = 0
+    file, by path and content (so a fresh clone of the same code has the same key). None for a
+    folder past MAX_CODE_FILES entries or MAX_CODE_BYTES of code (looked at by their sizes
+    first): a run of it is neither stored nor reused (``RunKey.reusable``)."""
+    code, entries, size = [], 0, 0
     for top, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS)
+        entries += len(dirs) + len(files)
+        if entries > MAX_CODE_FILES:
+            return None
         for name in sorted(f for f in files if f.endswith(CODE_SUFFIXES)):
             path = os.path.join(top, name)
             with contextlib.suppress(OSError):
                 size += os.path.getsize(path)
-                if size > MAX_CODE_BYTES:
-                    return f"over {MAX_CODE_BYTES >> 20} MiB of code: not read ({uuid.uuid4().hex})"
-                h.update(f"{os.path.relpath(path, folder)}\0{_sha256(Path(path))}\n".encode())
-                count += 1
-    return f"{count} files {h.hexdigest()[:32]}"
+                code.append(path)
+        if size > MAX_CODE_BYTES:
+            return None
+    h = hashlib.sha256()
+    for path in code:
+        with contextlib.suppress(OSError):
+            h.update(f"{os.path.relpath(path, folder)}\0{_sha256(Path(path))}\n".encode())
+    return f"{len(code)} files {h.hexdigest()[:32]}"
 
 
 def _harness_version() -> str | None:
@@ -286,6 +315,12 @@ class RunStore:
         """The run stored under ``key`` copied to ``dest`` (missing, or an empty folder), every
         file's checksum verified first; None when there is none or it is not whole (a line on
         stderr says why, and ``dest`` is left as it was)."""
+        if not key.reusable:
+            unread = [f for f, state in key.facts["environment"]["code"].items() if state is None]
+            print(f"parity: the run store is not used: {', '.join(unread)} holds more code or "
+                  f"files than its key reads ({MAX_CODE_FILES} entries, {MAX_CODE_BYTES >> 20} "
+                  "MiB)", file=sys.stderr)  # fmt: skip
+            return None
         entry = self.entry(key)
         with self._locked(exclusive=False):
             if not entry.is_dir():
@@ -313,7 +348,7 @@ class RunStore:
         """Store the finished run in ``run_dir`` under ``key`` (a copy; ``meta`` goes into
         stored.json: rev, commit, seconds); False when the key is stored already. Then evict the
         least recently used runs past ``max_bytes``."""
-        if self.entry(key).exists():
+        if not key.reusable or self.entry(key).exists():
             return False
         staging = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:

@@ -253,6 +253,10 @@ class OpDiff:
                 else "no traced rank's own ops differ before it, so the collective itself does "
                 "(its reduction order or algorithm), or a rank not traced)"
             )
+        elif via and via.get("collective"):  # fed this rank's own differing values
+            at = f" at {via['src']}" if via.get("src") else ""
+            text += f"{differ} as the collective {via['where']}{at} returned them from this rank's "
+            text += "own, which differ already: weights, data or code outside the trace)"
         elif via:
             at = f" at {via['src']}" if via.get("src") else ""
             text += f"{differ}, made by {via['where']}{at}, an op the comparison did not pair)"
@@ -350,10 +354,18 @@ class _Flow:
         return self.back(rec, keys, only.__contains__)
 
     def collective(self, rec: dict[str, Any], keys: set[str]):
-        """The latest collective that the values `keys` taken by `rec` come from: what another
-        rank sent; None when none is on their path."""
-        return self.back(rec, keys, lambda k: self.records[k]["op"].split(".")[0]
-                         in COLLECTIVE_NAMESPACES)  # fmt: skip
+        """The latest collective that the values `keys` taken by `rec` come from, whose own
+        tensor inputs on this rank the other side holds too: what another rank sent; None when
+        none is on their path (a collective fed this rank's own differing values, an FSDP
+        all-gather of a differing shard, only carries them: the walk goes on past it)."""
+
+        def sent(k: int) -> bool:
+            rec = self.records[k]
+            own = [x for x in rec["in"] if _TENSOR.match(x) or _ONE_ELEMENT.match(x)]
+            return (rec["op"].split(".")[0] in COLLECTIVE_NAMESPACES
+                    and all(x in self.other for x in own))  # fmt: skip
+
+        return self.back(rec, keys, sent)
 
     def back(self, rec: dict[str, Any], keys: set[str], wanted, limit: int = 5000):
         """The latest op at a position `wanted` holds for that the values `keys` taken by
@@ -593,7 +605,9 @@ def _trace_back(out: OpDiff, sides: tuple, only: list[tuple[str, dict[str, Any]]
         makers = [k for key in keys if (k := flow.made(key, at)) is not None]
         if makers:
             maker = flow.records[max(makers)]
-            out.first["via"] = {"side": side, "where": where(maker), "src": maker.get("src")}
+            sent = maker["op"].split(".")[0] in COLLECTIVE_NAMESPACES
+            out.first["via"] = {"side": side, "where": where(maker), "src": maker.get("src"),
+                                "collective": sent}  # fmt: skip
             return
 
 
@@ -616,7 +630,12 @@ def compare_ops(a_dir: Path | None, b_dir: Path | None) -> OpDiff:
     through: list[OpDiff] = []  # ranks whose first difference another rank sent them
     for rank in common:
         result = OpDiff(rank=rank)
-        differs = _compare_rank(ta[rank], tb[rank], result)
+        try:
+            differs = _compare_rank(ta[rank], tb[rank], result)
+        except OpTraceError:
+            if not through:
+                raise
+            break  # a lower rank's finding stands; this rank's trace cannot add to it
         if differs and result.origin == "collective":
             through.append(result)
             continue

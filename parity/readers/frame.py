@@ -397,11 +397,13 @@ def _decimal_places(v: float) -> int:
 
 
 def _fixed_point(values: list[float]) -> bool:
-    """Whether positive values spanning two decades or more are as fine at the top as anywhere:
-    a value of the top decade has the most decimal places. Integers scaled by a power of ten
-    are (verl's train/total_tokens(B), a token count / 1e9: 4.096e-05 ... 0.00024576, every one
-    to 8 places), and hold their values in full; values rounded to S significant digits are
-    not, a larger value's last digit lying further left."""
+    """Whether positive values of 4 significant digits or more, spanning two decades or more,
+    are as fine at the top as anywhere: a value of the top decade has the most decimal places.
+    Integers scaled by a power of ten are (verl's train/total_tokens(B), a token count / 1e9:
+    4.096e-05 ... 0.00024576, every one to 8 places), and hold their values in full; values
+    rounded to S significant digits are not, a larger value's last digit lying further left.
+    Shorter values witness nothing (a warmup's 3e-05 beside a `%g` cosine's 0.000299918)."""
+    values = [v for v in values if significant_digits(v) >= MIN_ROUNDED_DIGITS]
     decades = [math.floor(math.log10(v)) for v in values]
     if not decades or min(decades) == max(decades):
         return False

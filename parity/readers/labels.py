@@ -32,7 +32,8 @@ def _merged(a: list[Hashable], b: list[Hashable]) -> list[Hashable]:
     out: list[Hashable] = []
     opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
     for _, i1, i2, j1, j2 in opcodes:
-        out += a[i1:i2] + [x for x in b[j1:j2] if x not in a[i1:i2]]
+        block = set(a[i1:i2])
+        out += a[i1:i2] + [x for x in b[j1:j2] if x not in block]
     seen: set[Hashable] = set()
     return [x for x in out if not (x in seen or seen.add(x))]  # a label moved: its first place
 

@@ -70,6 +70,15 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SITE = os.sep + "site-packages" + os.sep
 _UNINITIALIZED = ("empty", "resize", "set_.")
+#: an input whose memory an op like torch.empty made and no op has written yet (an out= buffer,
+#: a collective's output list): recorded as this, not a hash of whatever the allocator left
+UNINITIALIZED = "uninitialized"
+
+
+def _uninitialized(op: str) -> bool:
+    return any(s in op for s in _UNINITIALIZED)
+
+
 # tensor subclasses whose ops are traced as the plain ops they run: DTensor's local ops, and a
 # functional collective's result (its wait, then the op on the waited tensor)
 _UNWRAPS = ("DTensor", "AsyncCollectiveTensor")
@@ -215,13 +224,29 @@ class OpTracer(TorchDispatchMode):
         link from a collective's or a view's result to the ops that use it, which the diagnosis
         follows (never compared). A collective's own ops may take its buffer before it is
         written (a wait, an autograd wrapper): they do not link."""
-        text = _input(x)
-        if link and isinstance(x, torch.Tensor) and self._unread:
-            unread = self._unread.pop(_memory(x), None)
-            if unread is not None and unread[0]() is not None:
-                rec = self.records[unread[1]]
-                rec.setdefault("later", [None] * len(rec["out"]))[unread[2]] = text
+        unread = memory = None
+        if isinstance(x, torch.Tensor) and self._unread:
+            memory = _memory(x)
+            unread = self._unread.get(memory)
+            if unread is not None and unread[0]() is None:
+                unread = None  # freed: its memory is another tensor's now
+        if unread is not None and _uninitialized(self.records[unread[1]]["op"]):
+            text = UNINITIALIZED  # whatever the allocator left there: no value to compare
+        else:
+            text = _input(x)
+        if link and unread is not None:
+            del self._unread[memory]
+            rec = self.records[unread[1]]
+            rec.setdefault("later", [None] * len(rec["out"]))[unread[2]] = text
         return text
+
+    def _sent(self, memory: tuple) -> bool:
+        """Whether the unread value at ``memory`` is a collective's already (a functional
+        collective's result, which its wait hands on: the collective keeps it)."""
+        unread = self._unread.get(memory)
+        if unread is None or unread[0]() is None:
+            return False
+        return self.records[unread[1]]["op"].split(".")[0] in COLLECTIVE_NAMESPACES
 
     def _param(self, leaves: list) -> str | None:
         """The parameter (or gradient) a top-level op works on: what names clipping's and the
@@ -267,7 +292,7 @@ class OpTracer(TorchDispatchMode):
         self._counts[key] = n + 1
         i = len(self.records)
         skip = (
-            any(s in name for s in _UNINITIALIZED)
+            _uninitialized(name)
             or collective
             or getattr(func, "is_view", False)  # may alias a buffer not written yet (FSDP2)
         )
@@ -280,7 +305,9 @@ class OpTracer(TorchDispatchMode):
                 hashes.append(None)
                 scalars.append(None)
                 memory = None if t.is_meta else _memory(t)
-                if memory is not None:  # its value as the first op to take it sees: `later`
+                if memory is not None and collective and not self._sent(memory):
+                    self._unread[memory] = (weakref.ref(t), i, j)  # it wrote there: its value
+                elif memory is not None:  # its value as the first op to take it sees: `later`
                     self._unread.setdefault(memory, (weakref.ref(t), i, j))
                 continue
             host = t.detach().cpu()  # one copy off a GPU for its hash, scalar and value

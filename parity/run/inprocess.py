@@ -132,12 +132,13 @@ def run_pair_in_process(
 
 
 def alone_line(spec: JobSpec, out: Path) -> str:
-    """`# torchrun ...`: the launch that reproduces this job on its own (a launcher.log's head)."""
-    import shlex
+    """`# [VAR=value ...] torchrun ...`: the launch that reproduces this job on its own (a
+    launcher.log's head), with the spec's env."""
+    from parity.run.launch import reproduce_line
 
     alone = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     alone += ["--nproc-per-node", str(spec.nproc_per_node), *spec.to_args(out)]
-    return f"# {shlex.join(alone)}"
+    return f"# {reproduce_line(alone, spec.env)}"
 
 
 def preload_args(modules: Sequence[str]) -> list[str]:

@@ -203,6 +203,24 @@ def test_git_s_variables_of_a_hook_or_a_shell_leave_the_user_s_repository_alone(
     assert git(tmp_path / "wt", "status", "--porcelain") == "A  new.txt\n"
 
 
+def test_a_worktree_gone_under_a_linked_folder_leaves_no_entry(tmp_path):
+    """The harness's worktree in a folder reached through a symlink (macOS's /var, a Slurm
+    folder), removed before the harness could (a cleaner, a crash): its entry, which git keeps
+    by the resolved path, is still found and removed, and the user's worktrees are kept."""
+    import shutil
+
+    from parity.git import worktree
+
+    repo = make_repo(tmp_path / "repo")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    before = git(repo, "worktree", "list", "--porcelain")
+    with worktree(repo, commit_of(repo, 2), tmp_path / "linked") as tree:
+        assert len(git(repo, "worktree", "list", "--porcelain").split("\n\n")) == 3
+        shutil.rmtree(tree)
+    assert git(repo, "worktree", "list", "--porcelain") == before
+
+
 def test_a_job_s_own_verdict_json_is_its_own(repo, tmp_path, monkeypatch):
     """A job that writes verdict.json into its run folder keeps it: each commit's verdict goes
     beside the run folder, in its launch folder."""

@@ -135,6 +135,28 @@ def test_the_code_no_version_pins_is_in_the_key(tmp_path):
         ), name
 
 
+def test_the_checked_repository_s_own_code_and_a_folder_too_big_to_read(tmp_path, monkeypatch):
+    """The project's own checkout (on PYTHONPATH, or an editable install of it) is keyed by the
+    revision's tree, never by its working files: a pull request's edits must not move main's
+    key. A code folder past what the key reads makes a run neither stored nor reused."""
+    import parity.store
+
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "mine.py").write_text("x = 1\n")
+    env = {"PYTHONPATH": str(repo / "src")}
+    key = run_key(_spec(), "tree1", [], env, repo=repo)
+    assert str(repo / "src") not in key.facts["environment"]["code"] and key.reusable
+    (repo / "src" / "mine.py").write_text("x = 2\n")
+    assert run_key(_spec(), "tree1", [], env, repo=repo) == key
+    monkeypatch.setattr(parity.store, "MAX_CODE_FILES", 0)
+    big = run_key(_spec(), "tree1", [], env)
+    assert big.facts["environment"]["code"][str(repo / "src")] is None and not big.reusable
+    store = RunStore(tmp_path / "store")
+    assert store.put(big, _run(tmp_path / "run"), {}) is False
+    assert store.get(big, tmp_path / "dest") is None
+
+
 def test_the_store_keeps_within_its_size_least_recently_used_first(tmp_path):
     keys = [RunKey(f"{n}" * 32, {}) for n in range(3)]
     RunStore(tmp_path / "store").put(keys[0], _run(tmp_path / "run0"), {})
@@ -413,10 +435,10 @@ def test_two_checks_at_once_share_one_store(history, tmp_path):
         assert RunStore(tmp_path / "store").get(RunKey(key, {}), tmp_path / key) is not None
 
 
-def _bisect(history, out, store, capsys) -> tuple[int, dict]:
+def _bisect(history, out, store, capsys, *more: str) -> tuple[int, dict]:
     args = ["bisect", "--good", commit_of(history, 1), "--bad", commit_of(history, 5)]
     args += ["--spec", str(history / "spec.toml"), "--out", str(out), "--store", str(store)]
-    code = main([*args, "--json"])
+    code = main([*args, "--json", *more])
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
@@ -442,3 +464,10 @@ def test_bisect_reuses_its_runs_and_a_stale_one_costs_runs_not_the_answer(
     fresh = launches.runs[ran:]
     assert fresh == ["good-fresh", f"{second[:12]}-fresh", f"{third[:12]}-fresh"], fresh
     assert len(fresh) < ran
+    # --fresh: every commit run again, each run taking its stored one's place
+    _make_stale(_stored_metrics(store, commit_of(history, 1)))
+    code, fresh_all = _bisect(history, tmp_path / "three", store, capsys, "--fresh")
+    assert code == 1 and fresh_all["first_bad"]["commit"] == third
+    assert not fresh_all["reference"]["reused"]
+    stored = _stored_metrics(store, commit_of(history, 1))
+    assert stored.read_text() == (tmp_path / "three" / "good" / "metrics.jsonl").read_text()

@@ -177,6 +177,17 @@ def test_values_written_with_significant_digits_are_read_as_rounded(tmp_path, sp
     assert precision_problem(f"digits:{digits}") is None
 
 
+def test_a_g_schedule_whose_warmup_values_are_short_is_read_as_rounded():
+    """An lr warmed up to 3e-4 over 10 steps, then a cosine to 1e-4, written with `%g`: the
+    warmup's 3e-05, 6e-05 lie a decade below the cosine's 0.000299918 and have fewer places,
+    but they are short: no sign of a count scaled by a power of ten, and the column is read at
+    its 6 significant digits (it read in full: two schedules 3e-8 apart were "aligned")."""
+    warmup = [3e-4 * s / 10 for s in range(1, 11)]
+    cosine = [1e-4 + 1e-4 * (1 + math.cos(math.pi * s / 40)) for s in range(40)]
+    written = [float(f"{x:g}") for x in warmup + cosine]
+    assert written_rounding(np.array(written)) == "digits:6"
+
+
 def test_significant_digits_of_a_repr():
     values = (2.6, 0.000123, 2.5e9, 0.1 + 0.2, 0.0, -1.5e-7)
     assert [significant_digits(x) for x in values] == [2, 3, 2, 17, 0, 2]

@@ -349,16 +349,16 @@ def test_a_collective_s_result_is_linked_past_its_wait(tmp_path):
     assert collective["out"] == [None] and collective["later"] == [mul["in"][0]], records
 
 
-def _ddp_traces(tmp_path, differ: int):
+def _ddp_traces(tmp_path, differ: int, *mode: str):
     """Both sides of one DDP step on 2 ranks (tests/jobs/ddp_rank_data.py): rank `differ`'s
-    batch differs in b."""
+    batch differs in b (``gather``: every rank's shard, all-gathered)."""
     import subprocess
     import sys
 
     job = os.path.join(os.path.dirname(__file__), "..", "jobs", "ddp_rank_data.py")
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         job, str(tmp_path), str(differ)],
+         job, str(tmp_path), str(differ), *mode],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     return tmp_path / "a", tmp_path / "b"
@@ -386,6 +386,18 @@ def test_a_rank_s_own_data_is_named_on_that_rank_not_where_the_all_reduce_took_i
     assert (d.rank, d.origin, d.through_collective) == (other, "collective", [other]), d.line()
     assert d.first["via"]["where"].endswith("c10d.allreduce_.default #0"), d.line()
     assert "so the collective itself does (its reduction order or algorithm)" in d.line()
+
+
+@pytest.mark.parity
+def test_a_shard_that_differs_on_every_rank_is_not_blamed_on_the_all_gather(tmp_path):
+    """Every rank's own shard differs (side b's weights), then is all-gathered: each rank's
+    input to the collective already differs, so the collective only carries it. Rank 0 is
+    named with its inputs differing, never "the collective itself"."""
+    a, b = _ddp_traces(tmp_path, -1, "gather")
+    d = compare_ops(a, b)
+    assert (d.rank, d.origin, d.through_collective) == (0, "inputs", []), d.line()
+    assert "returned them from this rank's own, which differ already" in d.line(), d.line()
+    assert "the collective itself" not in d.line(), d.line()
 
 
 # --- multi-rank: worker vs worker + mutant, both traced at step 1 (the first divergent step) ----

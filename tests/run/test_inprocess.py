@@ -88,6 +88,9 @@ def test_refusals_are_one_line():
     from parity.run.pool import Pools
 
     assert "env" in Pools.refusal(with_env) and Pools.refusal(base) is None
+    from parity.run.inprocess import alone_line  # each side's launcher.log: its launch alone
+
+    assert alone_line(with_env, Path("a")).startswith("# OMP_NUM_THREADS=2 ")
 
 
 @subject  # the command's own process knows the subject's presets only when it is installed
