@@ -145,6 +145,8 @@ def mark_teardown(result: LaunchResult, metrics_file: Path, since: float) -> pd.
     """
     if result.ok or result.fault:  # a run of the wrong world is never compared
         return None
+    if not metrics_file.is_file():  # none, or no regular file (a FIFO: a read would wait)
+        return None
     try:
         if metrics_file.stat().st_mtime < since - 1.0:  # a stale file from an earlier run
             return None

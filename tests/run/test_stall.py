@@ -146,7 +146,7 @@ def test_a_metrics_file_that_is_a_fifo_cannot_stop_the_timeout(tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 3, done.stderr[-2000:]
     assert "timed out" in done.stderr or "timeout" in done.stderr, done.stderr[-2000:]
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 30  # the timeout, the stacks' wait: no read of the FIFO
     assert procs_mentioning(str(tmp_path / "out")) == []
 
 
