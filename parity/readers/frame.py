@@ -136,7 +136,7 @@ UNFIT = (
     "past 2**53 rounded)"
 )
 _EXPONENT = re.compile(r"[eE]")
-_INTEGER = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
+_INTEGER = re.compile(r"\s*([-+]?[0-9]+)(?:\.0*)?\s*", re.ASCII)  # 9007199254740993.0 too
 EXACT_INT = 2**53  # every integer up to it is a float64; past it, only some are
 
 
@@ -149,12 +149,13 @@ def inexact_int(number: int, value: float) -> bool:
 def unfit(text: str | bytes, value: float) -> bool:
     """Whether `value`, what a parser made of the decimal `text`, lost the number: a finite
     literal that overflowed to +-inf (1e999), a nonzero one that underflowed to 0.0 (1e-400),
-    or an integer literal past 2**53 read as another integer (``inexact_int``). Spelled
+    or an integer literal past 2**53 read as another integer (``inexact_int``; written with a
+    zero fraction too, 9007199254740993.0: a float64's repr of an integer is exact). Spelled
     infinities (inf, Infinity) fit, and so do subnormals (1e-310)."""
     if isinstance(text, bytes):
         text = text.decode("ascii", "replace")
-    if math.isfinite(value) and abs(value) >= EXACT_INT and _INTEGER.fullmatch(text):
-        return inexact_int(int(text), value)
+    if math.isfinite(value) and abs(value) >= EXACT_INT and (m := _INTEGER.fullmatch(text)):
+        return inexact_int(int(m[1]), value)
     if value != 0.0 and not math.isinf(value):
         return False
     if value == 0.0:

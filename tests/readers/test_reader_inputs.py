@@ -151,6 +151,11 @@ def test_unfit_is_overflow_and_underflow_only():
     assert unfit("0." + "0" * 400 + "1", 0.0)
     for text in ("Infinity", "-inf", "INF", "nan", "0.0", "-0.0", "0e-999", "1e-310", "5e-324"):
         assert not unfit(text, float(text)), text
+    # a counter past 2**53 with a zero fraction is lost as one without; a float64's repr is not
+    for text in ("9007199254740993", "9007199254740993.0", "-9007199254740993.00"):
+        assert unfit(text, float(text)), text
+    for text in ("9007199254740994.0", repr(2.0**60), "1.2345678901234567e+20"):
+        assert not unfit(text, float(text)), text
 
 
 def _mlflow(tmp_path: Path, lines: str) -> Path:
