@@ -348,7 +348,9 @@ def read_log(raw: bytes, path: Path, options: ReadOptions) -> pd.DataFrame:
         raise fail(path, None, "no numeric history records")
     values, present = cells.frames(path, options.duplicates, log)
     done = exit_code == 0
-    return finish(values, present, source=path, fmt="wandb", log=log, complete=done, written=True)
+    why = "no exit record" if exit_code is None else f"exited with code {exit_code}"
+    return finish(values, present, source=path, fmt="wandb", log=log, complete=done, written=True,
+                  incomplete=why)  # fmt: skip
 
 
 # --- run folders -------------------------------------------------------------------------------

@@ -232,6 +232,7 @@ def test_restart_skips_and_exit_code(runs):
     assert "train/tokens" not in first.columns and "setup/x" not in first.columns
     assert first.attrs["complete"] is False
     assert any("exited with code 3" in n for n in first.attrs["notes"])
+    assert first.attrs["incomplete"] == "exited with code 3"  # what the refusal says
 
 
 def test_several_runs_named_and_picked(runs):
