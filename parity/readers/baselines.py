@@ -122,7 +122,7 @@ def _megatron_value(value: Any) -> tuple[float, int] | str | None:
 
 
 def _read_megatron(path: Path, options: ReadOptions) -> pd.DataFrame:
-    text = decode(read_bytes(path), path)
+    text = decode(read_bytes(path), path, lines=False)  # JSON
     try:
         top = json.loads(text, object_pairs_hook=_object, parse_float=_Literal)
     except RecursionError:

@@ -133,7 +133,7 @@ def _state_file(path: Path, run: str | None, log: ReadLog) -> Path:
 
 
 def _load(file: Path) -> list[Any]:
-    text = decode(read_bytes(file), file)
+    text = decode(read_bytes(file), file, lines=False)  # JSON
     try:
         state = json.loads(text, parse_float=json_float)
     except json.JSONDecodeError as e:

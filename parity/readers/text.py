@@ -26,7 +26,13 @@ def read_bytes(path: Path) -> bytes:
         raise MetricsError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-def decode(raw: bytes, path: Path) -> str:
+def decode(raw: bytes, path: Path, lines: bool = True) -> str:
+    """``raw`` as UTF-8 text; a one-line error where it is not, or where its ``lines`` end in a
+    carriage return alone (classic Mac OS): no newline, so every reader of lines would call the
+    whole file one line cut off."""
+    if lines and b"\r" in raw[raw.rfind(b"\n") + 1 :].strip():  # after the last newline
+        raise fail(path, None, "lines end in a carriage return alone (classic Mac OS line "
+                   "endings): convert them to newlines, e.g. tr '\\r' '\\n'")  # fmt: skip
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -145,6 +145,21 @@ def test_a_stream_over_the_limit_is_refused(tmp_path, monkeypatch):
 # --- numbers a float64 cannot hold ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("raw", [b"step,loss\r1,0.5\r2,0.25\r", b"step,loss\n1,0.5\r2,0.25\r"])
+def test_lines_ending_in_a_carriage_return_alone_are_named(tmp_path: Path, raw: bytes) -> None:
+    """Classic Mac OS line endings (CR alone; a header written apart may end in LF): named as
+    such, not as a last line cut off. CRLF is read as ever."""
+    path = tmp_path / "m.csv"
+    path.write_bytes(raw)
+    with pytest.raises(MetricsError, match="carriage return alone") as e:
+        read_metrics(path)
+    assert "\n" not in str(e.value)
+    path.write_bytes(
+        b"".join(line + b"\r\n" for line in raw.replace(b"\n", b"\r").split(b"\r")[:-1])
+    )
+    assert list(read_metrics(path)["loss"]) == [0.5, 0.25]
+
+
 def test_unfit_is_overflow_and_underflow_only():
     assert unfit("1e999", float("1e999")) and unfit("-2e999", float("-2e999"))
     assert unfit("1e-400", 0.0) and unfit("2.5e-324", 0.0) and unfit(b"1E-999", 0.0)
