@@ -21,6 +21,7 @@ from parity.cli.common import (
     store,
     trace_argument,
 )
+from parity.judge.compare import printable
 from parity.spec import SpecError
 
 
@@ -75,8 +76,8 @@ def _print_check(args: argparse.Namespace, result) -> int:
         summary = json.loads((result.dir / "summary.json").read_text())
         print(json.dumps(summary, allow_nan=False))
         return EXIT_RUN_FAILED if result.verdict == "failed" else exit_code(result.comparison)
-    print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
-    print(f"report: {result.report.with_name('report.html')}  {result.report}")
+    print(printable(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}"))
+    print(printable(f"report: {result.report.with_name('report.html')}  {result.report}"))
     for line in result.stop_notes():
         print(line)
     return print_result(result, False, {"diagnosis": result.diagnosis_dict()})

@@ -19,6 +19,7 @@ from parity.cli.common import (
     trace_argument,
     verdict_arguments,
 )
+from parity.judge.compare import printable
 from parity.spec import JobSpec, PairSpec, SpecError
 
 
@@ -84,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     )
     html = result.report.with_name("report.html")
     if not args.json:
-        print(f"runs: {result.a.dir}  {result.b.dir}  summary: {result.dir / 'summary.md'}")
-        print(f"report: {html}  {result.report}")
+        summary = result.dir / "summary.md"
+        print(printable(f"runs: {result.a.dir}  {result.b.dir}  summary: {summary}"))
+        print(printable(f"report: {html}  {result.report}"))  # a path may hold a newline
     extra = {"out": str(result.dir), "report": str(html), "diagnosis": result.diagnosis_dict()}
     if result.trace_rerun is not None:
         extra["trace_rerun"] = result.trace_rerun.to_dict()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from parity.cli.common import exit_code, files_read, policies, print_verdict, two_files_arguments
 from parity.cli.compare import run_folder
+from parity.judge.compare import printable
 from parity.report import build_report
 
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         if report.diagnosis is not None:
             extra["diagnosis"] = report.diagnosis.to_dict()
         return print_verdict(report.comparison, True, extra)
-    print(f"report: {html}  {md}")
+    print(printable(f"report: {html}  {md}"))  # a path may hold a newline
     print(report.headline())
     for line in report.diagnosis.lines() if report.diagnosis is not None else []:
         print(f"diagnosis: {line}")

@@ -537,6 +537,16 @@ def _judge(
     return np.isclose(x, y, rtol=policy.rtol, atol=policy.atol, equal_nan=True)
 
 
+def _ignored_steps(policy: Policy, steps: np.ndarray) -> np.ndarray | None:
+    """Which of ``steps`` a step policy's ``ignore`` pieces hold (None for a policy with none):
+    they are not judged, nor counted as compared; a metric whose every step is so is ignored
+    (``ignore@0-`` on a run of steps 1..N is ``ignore``, and nothing compared is no verdict)."""
+    if policy.kind != "steps" or not any(p.policy.kind == "ignore" for p in policy.pieces):
+        return None
+    ignore = np.array([p.policy.kind == "ignore" for p in policy.pieces] + [False])
+    return ignore[piece_index(policy.pieces, steps)]  # -1 (no piece: exact) is the last
+
+
 def _compare_metric(
     name: str,
     policy: Policy,
@@ -774,7 +784,10 @@ def compare_frames(
     va, pa, ca = _side(a, steps_index, names, ka)
     vb, pb, cb = _side(b, steps_index, names, kb)
     which, distinct = resolve_all(names, policies)
-    ignored = np.array([p.kind == "ignore" for p in distinct], dtype=bool)[which]
+    skips = [_ignored_steps(p, steps) for p in distinct]  # steps a step policy's ignore holds
+    whole = [p.kind == "ignore" or (m is not None and bool(m.all())) for p, m in zip(
+        distinct, skips, strict=True)]  # fmt: skip
+    ignored = np.array(whole, dtype=bool)[which]
     precision = _precisions(a, b, names)
     needs = np.array([needs_full_value(p) for p in distinct], dtype=bool)[which]
     rounded = np.array([_rounded(t) for t in precision[1]], dtype=bool)[precision[0]]
@@ -816,6 +829,12 @@ def compare_frames(
         )
         built[j], status[j], ok[j] = res, _ORDER[res.status], res.ok
         counts[j] = res.steps_compared
+    for j in np.flatnonzero(~ignored & (ca >= 0) & (cb >= 0)).tolist():
+        skip = skips[which[j]]
+        if skip is not None:  # the steps a piece ignores are not compared ones
+            counts[j] = int((pa[:, ca[j]] & pb[:, cb[j]] & ~skip).sum())
+            if built[j] is not None:
+                built[j].steps_compared = int(counts[j])
     texts = [str(p) for p in distinct]
     results = MetricResults(names, built, status, ok, precision, (which, texts, counts, firsts))
     only_a = [int(s) for s in a.index.difference(b.index)]

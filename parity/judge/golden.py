@@ -29,7 +29,7 @@ import pandas as pd
 
 from parity.files import write_json_atomic
 from parity.judge.compare import Comparison, compare_frames, default_policy, printable
-from parity.readers import MetricsError, read_metrics, write_metrics
+from parity.readers import MetricsError, read_metrics, read_summary, skipped_count, write_metrics
 from parity.record.runfolder import manifest_path, metrics_path
 
 FINGERPRINT_KEYS = (
@@ -172,9 +172,16 @@ def baseline_for(golden_dir: Path, run_dir: Path) -> Path | None:
 
 def save_golden(golden_dir: Path, run_dir: Path, spec: dict | None = None) -> Path:
     """Make (or rewrite) the baseline of the run's environment in a golden; the baselines of
-    other environments are kept. Returns the baseline's folder."""
+    other environments are kept. Returns the baseline's folder. A run that did not finish (no
+    end record) or whose read skipped records is refused (MetricsError) before anything is
+    written: the baseline it would replace is kept."""
     golden_dir = Path(golden_dir)
-    frame = _compared(read_metrics(run_dir))
+    read = read_metrics(run_dir)
+    if read.attrs.get("complete") is False or skipped_count(read):
+        why = read.attrs.get("incomplete") or "no end record" if not skipped_count(read) else (
+            read_summary(read))  # fmt: skip
+        raise MetricsError(f"{run_dir}: not made into a golden: the run is not whole ({why})")
+    frame = _compared(read)
     env = fingerprint(_manifest(run_dir))
     target = baseline_for(golden_dir, run_dir) or golden_dir / baseline_name(env)
     target.mkdir(parents=True, exist_ok=True)

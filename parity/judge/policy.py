@@ -191,10 +191,11 @@ class Policy:
         if (
             isinstance(self.ulp, bool)
             or not isinstance(self.ulp, int)
-            or not 0 <= self.ulp <= ULP_MAX
+            or not 0 <= self.ulp < ULP_MAX  # ULP_MAX: NaN's and inf's distance from a number
         ):
             raise PolicyError(
-                f"bad policy: ulp must be a non-negative integer up to {ULP_MAX}, got {self.ulp!r}"
+                f"bad policy: ulp must be a non-negative integer below {ULP_MAX} (the distance "
+                f"of NaN and inf from any number), got {self.ulp!r}"
             )
         for name in ("rtol", "atol"):
             v = getattr(self, name)
@@ -259,6 +260,12 @@ class Policy:
 
 def _parse_simple(piece: str, text: str) -> Policy:
     kind, sep, arg = piece.strip().partition(":")
+    digits = arg.strip()
+    if kind == "ulp" and digits.isdigit() and (len(digits) > 20 or int(digits) >= ULP_MAX):
+        raise PolicyError(
+            f"bad policy {text!r}: ulp:K must be below {ULP_MAX}, the distance of NaN and inf "
+            "from any number (a wider tolerance: close:RTOL,ATOL)"
+        )
     try:
         if kind in ("exact", "ignore") and not sep:
             return Policy(kind)

@@ -296,3 +296,15 @@ def test_a_policy_text_is_parsed_once_at_the_edge(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(Policy, "parse", classmethod(counted))
     assert main(["compare", str(a), str(a), "--policy", "train/*=ulp:3"]) == 0
     assert texts == ["ulp:3"]
+
+
+def test_an_output_path_with_a_newline_prints_no_line_of_its_own(tmp_path, capsys):
+    """`report -o $'rep\nparity: aligned'`: the path is printed escaped, so it cannot print a
+    verdict line before the real one."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write(a, _rows())
+    _write(b, _rows(grad_norm_step2=1.75))
+    code = main(["report", str(a), str(b), "-o", str(tmp_path / "rep\nverdict: aligned")])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: aligned" not in out.splitlines(), out
+    assert "rep\\nverdict: aligned" in out

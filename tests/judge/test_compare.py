@@ -807,3 +807,27 @@ def test_noise_floor_shows_names_printable():
     assert "x\\nverdict: aligned" in floor.headline() and "\n" not in floor.headline()
     assert len(text.splitlines()) == 2 + len(EVIL) + 1  # headline, header, rows, the advice
     assert not any(c in text for c in "\r\x1b\x7f\x85\u2028\u202e")
+
+
+def test_a_step_policy_that_ignores_every_step_compares_nothing():
+    """`ignore@0-` (or `ignore@1,ignore`) on steps 1..N ignores the metric: nothing compared
+    is no verdict, never "aligned" of runs that differ at every step; the steps a piece
+    ignores are not counted as compared."""
+    a, b = frame({"loss": [1.0, 2.0, 3.0]}), frame({"loss": [9.0, 8.0, 7.0]})
+    for policy in ("ignore@0-", "ignore@1,ignore", "ignore@1-3"):
+        with pytest.raises(NothingComparedError):
+            compare_frames(a, b, {"loss": policy})
+    partly = compare_frames(a, frame({"loss": [9.0, 8.0, 3.0]}), {"loss": "ignore@1-2"})
+    assert partly.ok and partly.metrics["loss"].steps_compared == 1
+    clean = compare_frames(a, a, {"loss": "ignore@-2"})  # equal everywhere: counted alike
+    assert clean.ok and clean.metrics["loss"].steps_compared == 1
+
+
+def test_no_ulp_tolerance_passes_nan_or_inf_against_a_number():
+    """NaN and inf are ULP_MAX from any number: a tolerance of that many ULPs would pass them,
+    so it is refused; one below it tells them apart."""
+    with pytest.raises(ValueError, match="below"):
+        Policy.parse(f"ulp:{ULP_MAX}")
+    for other in (math.nan, math.inf):
+        c = compare_frames(frame({"x": [0.4]}), frame({"x": [other]}), {"x": f"ulp:{ULP_MAX - 1}"})
+        assert c.verdict == "diverged", other

@@ -17,6 +17,7 @@ from parity.judge.golden import (
     save_golden,
     verify_golden,
 )
+from parity.readers import MetricsError
 from tests.needs import subject
 from tests.specs import FIXED, PPO
 
@@ -53,6 +54,28 @@ def test_golden_round_trip_and_regression(tmp_path):
     result = verify_golden(tmp_path / "golden", _run(tmp_path / "bad", [3.0, 2.5, 2.2500001]))
     assert result.status == REGRESSION
     assert result.comparison.metrics["train/loss"].first_divergent_step == 3
+
+
+def test_a_run_not_whole_never_replaces_a_baseline(tmp_path):
+    """Updating a golden from a run that wrote fewer steps and no end record (exit 0 all the
+    same), or whose read skipped a record, is refused before anything is written: the good
+    baseline stays."""
+    golden = tmp_path / "golden"
+    baseline = save_golden(golden, _run(tmp_path / "made", [3.0, 2.5, 2.25]))
+    kept = (baseline / "metrics.jsonl").read_bytes()
+    cut = _run(tmp_path / "cut", [3.0, 2.5])
+    text = (cut / "metrics.jsonl").read_text()
+    (cut / "metrics.jsonl").write_text(text[: text.index('{"event"')])  # no end record
+    with pytest.raises(MetricsError, match="not whole .no end record"):
+        save_golden(golden, cut)
+    skipped = _run(tmp_path / "skipped", [3.0, 2.5, 2.25])
+    text = (skipped / "metrics.jsonl").read_text()
+    end = text.index('{"event"')  # a number a float64 cannot hold, before the end record
+    (skipped / "metrics.jsonl").write_text(text[:end] + '{"step": 4, "train/loss": 1e999}\n'
+                                           + text[end:])  # fmt: skip
+    with pytest.raises(MetricsError, match="not whole"):
+        save_golden(golden, skipped)
+    assert (baseline / "metrics.jsonl").read_bytes() == kept
 
 
 def test_mismatch_under_another_environment_says_rebaseline(tmp_path):
