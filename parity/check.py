@@ -148,8 +148,6 @@ def run_in_tree(
     )
     if result.stopped_early and not result.fault:  # a wrong world fails below
         return result
-    if result.fault and result.stopped_early:
-        raise LaunchError(result, label)
     if not result.ok:
         whole = mark_teardown(result, metrics_path(run_dir), result.started_at) is not None
         if not (whole and allow_teardown):  # reason: teardown-* or crash

@@ -217,15 +217,25 @@ def code_folders(
             if url and url.get("dir_info", {}).get("editable") and url["url"].startswith("file:"):
                 found.append(Path(url2pathname(urlparse(url["url"]).path)))
     inside = Path(os.path.realpath(repo)) if repo is not None else None
-    folders = set()
+    kept: dict[Path, Path] = {}  # its real path -> the folder as given
     for folder in found:
         real = Path(os.path.realpath(folder))
         if real.name in ("site-packages", "dist-packages"):
             continue
         if inside is not None and (real == inside or inside in real.parents):
             continue
-        folders.add(folder.absolute())
-    return sorted(folders)
+        kept.setdefault(real, folder.absolute())
+    return sorted(f for real, f in kept.items() if not _read_with(real, kept))
+
+
+def _read_with(real: Path, folders: Mapping[Path, Path]) -> bool:
+    """Whether the folder ``real`` lies in another of ``folders`` whose walk reads it (no
+    folder between them that ``_folder_state`` skips): it is then read once, with that one."""
+    for parent in real.parents:
+        if parent in folders:
+            between = real.relative_to(parent).parts
+            return not any(d.startswith(".") or d in _SKIPPED_DIRS for d in between)
+    return False
 
 
 def _folder_state(folder: Path) -> str | None:

@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 from parity.readers import MetricsError
 from parity.record.runfolder import (
-    COLLECTIVE_NAMESPACES,
     OP_VALUES_SUFFIX,
     OPS_DIR,
+    is_collective,
     numbered_files,
     ops_dir,
 )
@@ -145,6 +145,11 @@ def where(rec: dict[str, Any]) -> str:
     return f"{rec['phase']} {module} {rec['op']} #{rec['n']}"
 
 
+def _at(op: dict[str, Any]) -> str:
+    """' at FILE:LINE' where an op (a record, or what the diff keeps of one) has its source."""
+    return f" at {op['src']}" if op.get("src") else ""
+
+
 def _shapes(shapes: list[list[int]]) -> str:
     return ", ".join("[" + ", ".join(map(str, shape)) + "]" for shape in shapes)
 
@@ -227,8 +232,7 @@ class OpDiff:
         f = self.first
         assert f is not None
         ulp = f"max {f['ulp']} ULP" if f["ulp"] is not None else "ULP not kept"
-        src = f" at {f['src']}" if f.get("src") else ""
-        text = f"first differing op at {at}: {f['where']}{src} ({ulp}"
+        text = f"first differing op at {at}: {f['where']}{_at(f)} ({ulp}"
         if self.origin == "born here":
             return text + "; inputs equal: the difference is born here)" + extra
         if self.origin == "scalar argument":
@@ -239,14 +243,12 @@ class OpDiff:
         source, via = f.get("source"), f.get("via")
         if source:
             made = f" making {_shapes(source['shapes'])}" if source.get("shapes") else ""
-            at = f" at {source['src']}" if source.get("src") else ""
             text += f"{differ}, from an op only {source['side']} runs: {source['where']}"
-            text += f"{made}{at})"
+            text += f"{made}{_at(source)})"
         elif self.origin == "structural":
             text += f"{differ}, after ops only one side runs: the difference comes from those)"
         elif self.origin == "collective":
-            at = f" at {via['src']}" if via.get("src") else ""
-            text += f"{differ} as the collective {via['where']}{at} returned them: "
+            text += f"{differ} as the collective {via['where']}{_at(via)} returned them: "
             text += (
                 "another rank sent other values)"
                 if self.rank not in self.through_collective
@@ -254,12 +256,12 @@ class OpDiff:
                 "(its reduction order or algorithm), or a rank not traced)"
             )
         elif via and via.get("collective"):  # fed this rank's own differing values
-            at = f" at {via['src']}" if via.get("src") else ""
-            text += f"{differ} as the collective {via['where']}{at} returned them from this rank's "
-            text += "own, which differ already: weights, data or code outside the trace)"
+            text += f"{differ} as the collective {via['where']}{_at(via)} returned them from this "
+            text += "rank's own, which differ already: weights, data or code outside the trace)"
         elif via:
-            at = f" at {via['src']}" if via.get("src") else ""
-            text += f"{differ}, made by {via['where']}{at}, an op the comparison did not pair)"
+            text += (
+                f"{differ}, made by {via['where']}{_at(via)}, an op the comparison did not pair)"
+            )
         else:
             text += "; its inputs already differ: weights, data or code outside the trace)"
         return text + extra
@@ -362,8 +364,7 @@ class _Flow:
         def sent(k: int) -> bool:
             rec = self.records[k]
             own = [x for x in rec["in"] if _TENSOR.match(x) or _ONE_ELEMENT.match(x)]
-            return (rec["op"].split(".")[0] in COLLECTIVE_NAMESPACES
-                    and all(x in self.other for x in own))  # fmt: skip
+            return is_collective(rec["op"]) and all(x in self.other for x in own)
 
         return self.back(rec, keys, sent)
 
@@ -426,7 +427,7 @@ class _Flow:
                 continue  # a Python number: a metric, or a later op's scalar input
             if not user["out"]:
                 return True  # changed in place (a foreach op), not followed
-            collective = user["op"].split(".")[0] in COLLECTIVE_NAMESPACES
+            collective = is_collective(user["op"])
             for i in range(len(user["out"])):
                 keys = _keys(user, i)
                 if not keys and collective:
@@ -605,9 +606,8 @@ def _trace_back(out: OpDiff, sides: tuple, only: list[tuple[str, dict[str, Any]]
         makers = [k for key in keys if (k := flow.made(key, at)) is not None]
         if makers:
             maker = flow.records[max(makers)]
-            sent = maker["op"].split(".")[0] in COLLECTIVE_NAMESPACES
             out.first["via"] = {"side": side, "where": where(maker), "src": maker.get("src"),
-                                "collective": sent}  # fmt: skip
+                                "collective": is_collective(maker["op"])}  # fmt: skip
             return
 
 

@@ -60,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.record.digest import DIGEST_SIZE
-from parity.record.runfolder import COLLECTIVE_NAMESPACES, op_trace_paths
+from parity.record.runfolder import is_collective, op_trace_paths
 
 # outputs kept for the ULP distance of the op that differs: each up to MAX_TENSOR_BYTES, in all
 # up to MAX_VALUE_BYTES per rank (a 2-layer, 128-wide model: ~10 MB); hashes of every output
@@ -224,12 +224,8 @@ class OpTracer(TorchDispatchMode):
         link from a collective's or a view's result to the ops that use it, which the diagnosis
         follows (never compared). A collective's own ops may take its buffer before it is
         written (a wait, an autograd wrapper): they do not link."""
-        unread = memory = None
-        if isinstance(x, torch.Tensor) and self._unread:
-            memory = _memory(x)
-            unread = self._unread.get(memory)
-            if unread is not None and unread[0]() is None:
-                unread = None  # freed: its memory is another tensor's now
+        memory = _memory(x) if isinstance(x, torch.Tensor) and self._unread else None
+        unread = self._unread_at(memory)
         if unread is not None and _uninitialized(self.records[unread[1]]["op"]):
             text = UNINITIALIZED  # whatever the allocator left there: no value to compare
         else:
@@ -240,13 +236,20 @@ class OpTracer(TorchDispatchMode):
             rec.setdefault("later", [None] * len(rec["out"]))[unread[2]] = text
         return text
 
+    def _unread_at(self, memory: tuple | None) -> tuple | None:
+        """The output recorded with no hash that holds ``memory`` and no op has taken yet, while
+        it lives; None for none (one freed is dropped: its memory is another tensor's now)."""
+        unread = self._unread.get(memory) if memory is not None else None
+        if unread is not None and unread[0]() is None:
+            del self._unread[memory]
+            return None
+        return unread
+
     def _sent(self, memory: tuple) -> bool:
         """Whether the unread value at ``memory`` is a collective's already (a functional
         collective's result, which its wait hands on: the collective keeps it)."""
-        unread = self._unread.get(memory)
-        if unread is None or unread[0]() is None:
-            return False
-        return self.records[unread[1]]["op"].split(".")[0] in COLLECTIVE_NAMESPACES
+        unread = self._unread_at(memory)
+        return unread is not None and is_collective(self.records[unread[1]]["op"])
 
     def _param(self, leaves: list) -> str | None:
         """The parameter (or gradient) a top-level op works on: what names clipping's and the
@@ -283,7 +286,7 @@ class OpTracer(TorchDispatchMode):
             module = self._param(leaves) or ""
         if self.scope:
             module = f"{self.scope}:{module}"
-        collective = name.split(".")[0] in COLLECTIVE_NAMESPACES
+        collective = is_collective(name)
         # before the op: in-place ops change them
         inputs = [self._input(x, link=not collective) for x in leaves]
         out = func(*args, **kwargs)
@@ -305,10 +308,11 @@ class OpTracer(TorchDispatchMode):
                 hashes.append(None)
                 scalars.append(None)
                 memory = None if t.is_meta else _memory(t)
-                if memory is not None and collective and not self._sent(memory):
-                    self._unread[memory] = (weakref.ref(t), i, j)  # it wrote there: its value
-                elif memory is not None:  # its value as the first op to take it sees: `later`
-                    self._unread.setdefault(memory, (weakref.ref(t), i, j))
+                # its value as the first op to take it sees: `later`; a collective wrote there,
+                # so its value is the collective's (not the torch.empty's that made the buffer)
+                if memory is not None and (self._unread_at(memory) is None
+                                           or collective and not self._sent(memory)):  # fmt: skip
+                    self._unread[memory] = (weakref.ref(t), i, j)
                 continue
             host = t.detach().cpu()  # one copy off a GPU for its hash, scalar and value
             hashes.append(_hash(host))

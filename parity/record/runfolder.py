@@ -85,6 +85,12 @@ OP_VALUES_SUFFIX = ".pt"
 #: (written asynchronously), and their result reaches the trace through ``later``.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_dtensor", "fsdp")
 
+
+def is_collective(op: str) -> bool:
+    """Whether an op trace's op name (``c10d.allreduce_.default``) is a collective's."""
+    return op.split(".")[0] in COLLECTIVE_NAMESPACES
+
+
 _RANK_FILE = re.compile(re.escape(RANK_FILE).replace(re.escape("{rank}"), r"(\d+)"))
 
 PathLike = str | os.PathLike[str]

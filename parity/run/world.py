@@ -74,12 +74,12 @@ def used(world_dir: Path) -> bool:
     be stopped early (parity.run.early) and still be judged whole by ``judge``; until then it
     runs on, so that a world that never carries anything is failed, never stopped as diverged."""
     groups = [r.group for r in read_records(world_dir)]
-    return any(isinstance(g, dict) and _is_int(g.get("collectives")) and g["collectives"] > 0
-               for g in groups)  # fmt: skip
+    return _carried([g.get("collectives") for g in groups if isinstance(g, dict)])
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _carried(counts: list) -> bool:
+    """Whether some rank's count of collectives (an integer where it was written) is above 0."""
+    return any(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts)
 
 
 def judge(world_dir: Path, world_size: int) -> str:
@@ -129,7 +129,7 @@ def judge(world_dir: Path, world_size: int) -> str:
 
 def _unused(started: int, world_size: int, counts: list) -> str:
     """The line for a group no rank's count shows used: all counts 0, or some missing."""
-    if any(isinstance(c, int) and c > 0 for c in counts):
+    if _carried(counts):
         return ""
     missing = sum(not isinstance(c, int) for c in counts)
     if not missing:

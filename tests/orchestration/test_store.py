@@ -129,6 +129,13 @@ def test_the_code_no_version_pins_is_in_the_key(tmp_path):
     assert run_key(_spec(), "tree1", [], env) == before
     (lib / "kernel.py").write_text("def f(x):\n    return x + x\n")
     assert run_key(_spec(), "tree1", [], env) != before
+    # a folder inside another is read with it, unless the walk skips what lies between
+    for inner in (lib / "sub", lib / ".hidden" / "src"):
+        inner.mkdir(parents=True)
+        nested = {"PYTHONPATH": f"{lib}{os.pathsep}{inner}"}
+        code = run_key(_spec(), "tree1", [], nested).facts["environment"]["code"]
+        ours = [f for f in code if f.startswith(str(tmp_path))]  # not the installs' own
+        assert ours == [str(lib), *([str(inner)] if inner.parent.name == ".hidden" else [])]
     for name, value in (("LD_PRELOAD", "/opt/libfast.so"), ("DNNL_MAX_CPU_ISA", "AVX2")):
         assert run_key(_spec(), "tree1", [], {**env, name: value}) != run_key(
             _spec(), "tree1", [], env
